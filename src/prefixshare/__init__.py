@@ -1,0 +1,60 @@
+"""prefixshare: share the KV cache of stable prefixes across vLLM and SGLang replicas.
+
+The public API is small and explicit; everything is imported on first use, so ``import prefixshare``
+is fast and needs none of torch, vLLM, SGLang or LMCache::
+
+    from prefixshare import Policy
+    policy = Policy.from_preset("single-node", chunk_size=256)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported lazily by __getattr__)
+_EXPORTS: dict[str, str] = {
+    "Policy": "prefixshare.policy",
+    "LMCacheServer": "prefixshare.server",
+    "EngineSettings": "prefixshare.fingerprint",
+    "Fingerprint": "prefixshare.fingerprint",
+    "compute_fingerprint": "prefixshare.fingerprint",
+    "diff": "prefixshare.fingerprint",
+    "AdmissionRequest": "prefixshare.policies",
+    "MinTokens": "prefixshare.policies",
+    "Pinned": "prefixshare.policies",
+    "Frequency": "prefixshare.policies",
+    "TTL": "prefixshare.policies",
+    "ByteBudget": "prefixshare.policies",
+    "TenantAllow": "prefixshare.policies",
+    "plan": "prefixshare.plan",
+    "PrefixShareError": "prefixshare.errors",
+    "PolicyError": "prefixshare.errors",
+    "IncompatibleError": "prefixshare.errors",
+    "ServerError": "prefixshare.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prefixshare.errors import IncompatibleError, PolicyError, PrefixShareError, ServerError
+    from prefixshare.fingerprint import EngineSettings, Fingerprint, compute_fingerprint, diff
+    from prefixshare.plan import plan
+    from prefixshare.policies import TTL, AdmissionRequest, ByteBudget, Frequency, MinTokens, Pinned, TenantAllow
+    from prefixshare.policy import Policy
+    from prefixshare.server import LMCacheServer
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefixshare' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,0 +1,80 @@
+"""`import prefixshare` stays light: no torch, engines or LMCache, and no import cycles in the layers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("torch", "vllm", "sglang", "lmcache", "transformers", "numpy")
+
+
+def _fresh(code: str) -> str:
+    return subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_import_prefixshare_loads_nothing_heavy() -> None:
+    out = _fresh("import sys, json, prefixshare; print(json.dumps(sorted(sys.modules)))")
+    loaded = json.loads(out.strip().splitlines()[-1])
+    assert not [m for m in loaded if m.split(".")[0] in HEAVY]
+
+
+def test_public_api_resolves_lazily_without_engines() -> None:
+    code = (
+        "import sys, json, prefixshare as p\n"
+        "names = {n: type(getattr(p, n)).__name__ for n in p.__all__}\n"
+        "print(json.dumps([sorted(names), sorted(m for m in sys.modules if m.split('.')[0] in %r)]))" % (HEAVY,)
+    )
+    names, heavy = json.loads(_fresh(code).strip().splitlines()[-1])
+    assert "Policy" in names and "compute_fingerprint" in names
+    assert heavy == []
+
+
+# Layers, lowest first: a module may import only from its own layer or a lower one.
+LAYERS = [
+    {"errors", "_log", "_paths"},
+    {"policies", "plan"},
+    {"tiers", "fingerprint"},
+    {"policy"},
+    {"server"},
+    {"adapters", "model"},
+    {"warm", "store", "bench"},
+    {"cli"},
+]
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "prefixshare" or len(parts) < 2:
+        return None
+    for i, layer in enumerate(LAYERS):
+        if parts[1] in layer:
+            return i
+    return None
+
+
+def test_imports_flow_one_way() -> None:
+    import ast
+    from pathlib import Path
+
+    import prefixshare
+
+    root = Path(prefixshare.__file__).parent
+    violations = []
+    for path in root.rglob("*.py"):
+        module = "prefixshare." + ".".join(path.relative_to(root).with_suffix("").parts)
+        own = _layer(module)
+        if own is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                layer = _layer(target)
+                if layer is not None and layer > own:
+                    violations.append(f"{module} imports {target}")
+    assert not violations, violations
