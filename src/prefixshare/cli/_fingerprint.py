@@ -1,0 +1,283 @@
+"""``prefixshare fingerprint``: show a model's compatibility fingerprint, or diff it against another."""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.markup import escape
+
+from prefixshare.cli._common import (
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    JSON_OPTION,
+    emit_json,
+    err,
+    handles_errors,
+    out,
+)
+
+if TYPE_CHECKING:
+    from prefixshare.fingerprint import Difference, EngineSettings, Fingerprint, Manifest, WeightsMode
+
+_MAX_SHOWN = 10
+
+
+class _WeightsChoice(StrEnum):
+    content = "content"
+    headers = "headers"
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``fingerprint`` command to ``app`` (a no-op when it is already there)."""
+    if any(info.name == "fingerprint" for info in app.registered_commands):
+        return
+    app.command("fingerprint")(fingerprint)
+
+
+@handles_errors
+def fingerprint(
+    model_dir: Path = typer.Argument(..., help="Hugging Face style model directory (config.json, weights...)."),
+    engine: str = typer.Option("vllm", "--engine", help='Engine: "vllm", "sglang" or another name.'),
+    engine_version: str | None = typer.Option(None, "--engine-version", help="Engine version."),
+    kv_layout: str = typer.Option("unknown", "--kv-layout", help="Canonical KV byte layout of the engine."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help='KV cache dtype; "auto" = the model dtype.'),
+    block_size: int | None = typer.Option(None, "--block-size", help="Engine KV block size (tokens)."),
+    chunk_size: int = typer.Option(256, "--chunk-size", help="LMCache chunk size (tokens)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel degree."),
+    lora: list[str] | None = typer.Option(None, "--lora", help="LoRA adapter as NAME=PATH; repeat for several."),
+    tenant: str | None = typer.Option(None, "--tenant", help="Tenant whose KV must stay separate."),
+    weights: _WeightsChoice = typer.Option(
+        "content",
+        "--weights",
+        case_sensitive=False,
+        help="Weights identity: content (blake3 of every byte, cached) or headers (safetensors headers "
+        "and sizes only; same-shape checkpoints with different values collide).",
+    ),
+    revision: str | None = typer.Option(None, "--revision", help="Hugging Face commit of MODEL_DIR."),
+    cache_dir: Path | None = typer.Option(
+        None, "--cache-dir", help="Where weight digests are cached (default: $PREFIXSHARE_CACHE_DIR or ~/.cache)."
+    ),
+    against: str | None = typer.Option(
+        None,
+        "--against",
+        help="Compare with another model dir (same engine options), a manifest or fingerprint JSON file, "
+        "or a store URL/dir holding manifests. Exit 0 if identical, 1 if different.",
+    ),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Print a model's compatibility fingerprint, or explain how it differs from another one."""
+    from prefixshare.fingerprint import compute_fingerprint
+
+    settings = _settings(
+        engine=engine,
+        engine_version=engine_version,
+        kv_layout=kv_layout,
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        chunk_size=chunk_size,
+        tp=tp,
+        pp=pp,
+        lora=_parse_lora(lora or []),
+        tenant=tenant,
+    )
+    mode: WeightsMode = "headers" if weights is _WeightsChoice.headers else "content"
+    fp = compute_fingerprint(model_dir, settings, weights=mode, revision=revision, cache_dir=cache_dir)
+    if against is None:
+        if as_json:
+            emit_json({"digest": fp.digest, "short": fp.short, "fingerprint": fp.model_dump(mode="json")})
+        else:
+            _print_table(fp)
+        raise typer.Exit(EXIT_OK)
+
+    kind, comparisons, corrupt = _compare(fp, against, settings, mode, cache_dir)
+    identical = any(not diffs for _, _, diffs in comparisons)
+    if as_json:
+        emit_json(
+            {
+                "digest": fp.digest,
+                "short": fp.short,
+                "fingerprint": fp.model_dump(mode="json"),
+                "against": {"source": against, "kind": kind, "corrupt_manifests": corrupt},
+                "identical": identical,
+                "comparisons": [
+                    {
+                        "label": label,
+                        "digest": digest,
+                        "identical": not diffs,
+                        "differences": [d.model_dump(mode="json") for d in diffs],
+                    }
+                    for label, digest, diffs in comparisons
+                ],
+            }
+        )
+    else:
+        _print_comparisons(fp, against, comparisons, corrupt)
+    raise typer.Exit(EXIT_OK if identical else EXIT_CHECK_FAILED)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _settings(**values: Any) -> EngineSettings:
+    from pydantic import ValidationError
+
+    from prefixshare.errors import FingerprintError
+    from prefixshare.fingerprint import EngineSettings
+
+    try:
+        return EngineSettings(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"--{str(e['loc'][0]).replace('_', '-') if e['loc'] else 'options'}: {e['msg']}" for e in exc.errors()
+        )
+        raise FingerprintError(f"invalid engine options: {problems}") from None
+
+
+def _parse_lora(items: list[str]) -> list[tuple[str, str]]:
+    from prefixshare.errors import FingerprintError
+
+    pairs = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise FingerprintError(f"--lora {item!r}: expected NAME=PATH")
+        pairs.append((name.strip(), path.strip()))
+    return pairs
+
+
+def _compare(
+    fp: Fingerprint, against: str, settings: EngineSettings, mode: WeightsMode, cache_dir: Path | None
+) -> tuple[str, list[tuple[str, str, list[Difference]]], list[dict[str, str]]]:
+    """Resolve ``--against`` and diff ``fp`` with what it names: (kind, [(label, digest, diffs)], corrupt)."""
+    from prefixshare.errors import FingerprintError
+    from prefixshare.fingerprint import MANIFEST_DIR, compute_fingerprint, diff, explain, read_manifests
+
+    path = Path(against).expanduser()
+    is_url = "://" in against
+    if not is_url and path.is_file():
+        other, label = _load_fingerprint_file(path)
+        return "file", [(label, other.digest, diff(fp, other))], []
+    if not is_url and path.is_dir() and (path / "config.json").is_file():
+        other = compute_fingerprint(path, settings, weights=mode, cache_dir=cache_dir)
+        return "model", [(str(path), other.digest, diff(fp, other))], []
+    if is_url or (path.is_dir() and (path / MANIFEST_DIR).is_dir()):
+        manifests = read_manifests(against)
+        corrupt = [c.model_dump() for c in manifests.corrupt]
+        pairs = explain(against, fp) if manifests else []
+        return "store", [(_manifest_label(m), m.digest, diffs) for m, diffs in pairs], corrupt
+    if not path.exists():
+        raise FingerprintError(f"--against {against}: no such file, directory or store URL")
+    raise FingerprintError(
+        f"--against {against}: not a model directory (no config.json), a fingerprint/manifest JSON file, "
+        f"or a store holding {MANIFEST_DIR}/"
+    )
+
+
+def _load_fingerprint_file(path: Path) -> tuple[Fingerprint, str]:
+    """A manifest (verified), this command's ``--json`` output, or a bare fingerprint JSON file."""
+    from pydantic import ValidationError
+
+    from prefixshare.errors import FingerprintError
+    from prefixshare.fingerprint import Fingerprint, load_manifest
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise FingerprintError(f"--against {path}: cannot read JSON: {exc}") from exc
+    if isinstance(raw, dict) and "format" in raw and "checksum" in raw:
+        manifest = load_manifest(text, url=str(path))
+        return manifest.fingerprint, _manifest_label(manifest)
+    data = raw.get("fingerprint", raw) if isinstance(raw, dict) else raw
+    try:
+        return Fingerprint.model_validate(data), str(path)
+    except ValidationError as exc:
+        raise FingerprintError(f"--against {path}: not a fingerprint or manifest: {exc}") from None
+
+
+def _manifest_label(manifest: Manifest) -> str:
+    when = manifest.created_at.strftime("%Y-%m-%d %H:%M:%SZ")
+    return f"manifest {manifest.fingerprint.short} from {manifest.host} at {when}"
+
+
+def _fmt(value: Any) -> str:
+    """A table cell: ``-`` for unset, lists joined, dicts as JSON; markup-escaped."""
+    if value is None:
+        text = "-"
+    elif isinstance(value, (list, tuple)):
+        text = ", ".join(str(v) for v in value) if value else "-"
+    elif isinstance(value, dict):
+        text = json.dumps(value, sort_keys=True)
+    else:
+        text = str(value)
+    return escape(text)
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _print_table(fp: Fingerprint) -> None:
+    from rich.table import Table
+
+    table = Table(title="compatibility fingerprint", show_header=True, header_style="bold")
+    table.add_column("field", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    model = fp.model.model_dump(mode="json")
+    for key, value in model.items():
+        table.add_row(f"model.{key}", _fmt(value))
+    total = sum(f.size for f in fp.weights.files)
+    table.add_row("weights.mode", fp.weights.mode)
+    table.add_row("weights.digest", fp.weights.digest)
+    count = len(fp.weights.files)
+    table.add_row("weights.files", f"{count} file{'' if count == 1 else 's'}, {_size(total)}")
+    table.add_row("weights.revision", _fmt(fp.weights.revision))
+    for key, value in fp.tokenizer.model_dump(mode="json").items():
+        table.add_row(f"tokenizer.{key}", _fmt(value))
+    for key, value in fp.engine.model_dump(mode="json").items():
+        if key == "lora":
+            value = [f"{x['name']}={x['digest'][:12]}" for x in value]
+        table.add_row(f"engine.{key}", _fmt(value))
+    table.add_row("tenant", _fmt(fp.tenant))
+    out.print(table)
+    if fp.weights.mode == "headers":
+        err.print(
+            "[yellow]warning:[/] weights identified by safetensors headers only: checkpoints with equal "
+            "shapes but different values get the same fingerprint"
+        )
+    out.print(f"digest: [bold]{fp.digest}[/]  short: [bold]{fp.short}[/]")
+
+
+def _print_comparisons(
+    fp: Fingerprint,
+    against: str,
+    comparisons: list[tuple[str, str, list[Difference]]],
+    corrupt: list[dict[str, str]],
+) -> None:
+    out.print(f"this fingerprint: [bold]{fp.short}[/] ({fp.digest})")
+    for item in corrupt:
+        err.print(f"[yellow]warning:[/] skipped corrupt manifest {escape(item['url'])}: {escape(item['reason'])}")
+    if not comparisons:
+        out.print(f"no manifests to compare with in {escape(against)}")
+        return
+    for label, digest, diffs in comparisons[:_MAX_SHOWN]:
+        if not diffs:
+            out.print(f"[green]identical[/] to {escape(label)} ({digest[:12]})")
+            continue
+        noun = "difference" if len(diffs) == 1 else "differences"
+        out.print(f"[red]{len(diffs)} {noun}[/] from {escape(label)} ({digest[:12]}):")
+        for d in diffs:
+            out.print(f"  - {d.message}", markup=False)
+    if len(comparisons) > _MAX_SHOWN:
+        more = len(comparisons) - _MAX_SHOWN
+        out.print(f"... and {more} more manifests in {escape(against)} (use --json to see all)")
