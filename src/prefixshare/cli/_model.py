@@ -1,0 +1,90 @@
+"""``prefixshare model ...``: generate local random-weight models for tests, the demo and benchmarks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from pathlib import Path
+
+import typer
+
+from prefixshare.cli._common import JSON_OPTION, emit_json, handles_errors, out
+from prefixshare.model._shapes import SHAPES
+
+
+class ShapeName(enum.StrEnum):
+    """Choices of ``--shape`` (the keys of :data:`prefixshare.model.SHAPES`)."""
+
+    tiny = "tiny"
+    demo = "demo"
+    bench = "bench"
+
+
+assert {s.value for s in ShapeName} == set(SHAPES), "ShapeName is out of sync with SHAPES"
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``model`` command group to ``app``."""
+    model_app = typer.Typer(
+        name="model",
+        help="Generate small local models (random weights, offline tokenizer); no download needed.",
+        no_args_is_help=True,
+    )
+
+    @model_app.command("create")
+    @handles_errors
+    def create(
+        directory: Path = typer.Argument(..., help="Directory to write the model into (created if missing)."),
+        shape: ShapeName = typer.Option(
+            ShapeName.tiny,
+            "--shape",
+            help="Model size: tiny (4.5M params), demo (27M), bench (144M).",
+        ),
+        seed: int = typer.Option(0, "--seed", min=0, help="Seed of the weights and the tokenizer's corpus."),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Rebuild even if DIRECTORY already holds a prefixshare model."
+        ),
+        json: bool = JSON_OPTION,
+    ) -> None:
+        """Write a random-weight Llama model and its BPE tokenizer in Hugging Face layout.
+
+        The same shape and seed always give the same files; an existing identical model is reused.
+        """
+        # Heavy imports (torch, transformers) happen inside create_model.
+        from prefixshare.model import create_or_reuse, model_info
+
+        started = time.perf_counter()
+        path, reused = create_or_reuse(directory, shape=shape.value, seed=seed, overwrite=overwrite)
+        seconds = time.perf_counter() - started
+        info = model_info(path)
+
+        if json:
+            emit_json(
+                {
+                    "path": str(info.path),
+                    "shape": info.shape,
+                    "seed": info.seed,
+                    "parameters": info.parameters,
+                    "vocab_size": info.vocab_size,
+                    "size_bytes": info.size_bytes,
+                    "reused": reused,
+                    "seconds": round(seconds, 3),
+                }
+            )
+            return
+        verb = "reused" if reused else "created"
+        out.print(f"{verb} {info.path}")
+        out.print(f"  shape       {info.shape} (seed {info.seed})")
+        out.print(f"  parameters  {info.parameters:,}")
+        out.print(f"  size        {_human_bytes(info.size_bytes)} on disk")
+
+    app.add_typer(model_app, name="model")
