@@ -1,0 +1,227 @@
+"""The typed Policy: where KV bytes rest, what is admitted, how long a load may take.
+
+One object replaces LMCache's two config surfaces (YAML/env for the in-process engine; CLI flags plus
+per-adapter JSON for the MP server). It renders both (see :mod:`prefixshare.policy._render`), and every
+invalid value is reported with its field path and a fix (see :mod:`prefixshare.policy._errors`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from prefixshare.errors import _MISSING, FieldProblem, PolicyError
+from prefixshare.policy._errors import prefixed, problems_from
+from prefixshare.policies import Rule, rule_from_config
+from prefixshare.tiers import TierConfig, known_tiers, tier_class
+from prefixshare.tiers._base import problem
+
+_STRICT = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class L1Settings(BaseModel):
+    """The MP server's CPU memory tier (every chunk passes through it)."""
+
+    model_config = _STRICT
+
+    size_gb: float = Field(1.0, gt=0, description="CPU memory the server reserves for KV chunks")
+    eviction: Literal["LRU", "ARC", "IsolatedLRU", "noop"] = "LRU"
+    trigger_watermark: float = Field(0.8, gt=0, le=1)
+    eviction_ratio: float = Field(0.2, gt=0, le=1)
+
+
+class ServerSettings(BaseModel):
+    """Where the node's LMCache MP server listens and how engines talk to it."""
+
+    model_config = _STRICT
+
+    host: str = "127.0.0.1"
+    port: int = Field(5555, gt=0, lt=65536, description="ZMQ port engines connect to")
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(5556, gt=0, lt=65536, description="health, status and metrics")
+    #: engine_driven is what CPU engines use; lmcache_driven is the CUDA path; auto serves both.
+    transfer_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "auto"
+    shm_name: str | None = Field(None, description="shared-memory segment for engine-driven copies")
+    #: blake3 and sha256_cbor are deterministic across processes; 'builtin' (Python hash) is not.
+    hash_algorithm: Literal["blake3", "sha256_cbor"] = "blake3"
+    max_workers: int = Field(1, gt=0)
+    start_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the server to be healthy")
+    extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the server argv")
+
+    @model_validator(mode="after")
+    def _ports(self) -> ServerSettings:
+        if self.port == self.http_port and self.host == self.http_host:
+            raise problem(
+                f"port and http_port are both {self.port}", "give the HTTP endpoint its own port, e.g. port + 1"
+            )
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.http_host}:{self.http_port}"
+
+
+class LoadSettings(BaseModel):
+    """How long a load may take before the engine recomputes instead."""
+
+    model_config = _STRICT
+
+    timeout_s: float = Field(2.0, gt=0, le=600, description="bound on one request's KV lookup + load")
+    #: auto: load when the store is predicted faster than prefill; always / never force a choice.
+    mode: Literal["auto", "always", "never"] = "always"
+
+
+class FingerprintSettings(BaseModel):
+    """How the compatibility fingerprint identifies the model."""
+
+    model_config = _STRICT
+
+    #: content: digest of every weight byte (once per file, cached); headers: tensor names, shapes and
+    #: file sizes only — faster on huge checkpoints, but two checkpoints of equal shape collide.
+    weights: Literal["content", "headers"] = "content"
+    revision: str | None = Field(None, description="model revision (commit) when known")
+
+
+class Policy(BaseModel):
+    """Everything prefixshare needs to know to share KV across replicas.
+
+    Build it with keywords, from YAML (:meth:`from_yaml`) or from a shipped preset
+    (:meth:`from_preset`); a YAML file may name ``preset:`` and override any field of it.
+    """
+
+    model_config = _STRICT
+
+    version: Literal[1] = 1
+    name: str = "default"
+    chunk_size: int = Field(256, gt=0, le=65536, description="tokens per stored chunk")
+    tenant: str | None = Field(None, description="namespace of this deployment's KV (isolation)")
+    l1: L1Settings = Field(default_factory=L1Settings)
+    l2: list[TierConfig] = Field(default_factory=list, description="ordered L2 tiers")
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    load: LoadSettings = Field(default_factory=LoadSettings)
+    fingerprint: FingerprintSettings = Field(default_factory=FingerprintSettings)
+    #: rule config (see prefixshare.policies); None admits every prefix of at least one chunk.
+    admission: Any = None
+
+    _rule: Rule | None = PrivateAttr(default=None)
+
+    @field_validator("l2", mode="before")
+    @classmethod
+    def _resolve_tiers(cls, value: Any) -> Any:
+        """Validate each tier with the class its ``type`` names, keeping ``l2[i].field`` error paths."""
+        if not isinstance(value, list):
+            return value
+        resolved: list[Any] = []
+        problems: list[FieldProblem] = []
+        for i, item in enumerate(value):
+            if isinstance(item, TierConfig) or not isinstance(item, dict):
+                resolved.append(item)
+                continue
+            kind = item.get("type")
+            if not isinstance(kind, str):
+                problems.append(FieldProblem(f"l2[{i}].type", _MISSING, "is missing", "add type: fs (or " + ", ".join(known_tiers()) + ")"))
+                continue
+            try:
+                tier_cls = tier_class(kind)
+            except KeyError as exc:
+                problems.append(FieldProblem(f"l2[{i}].type", kind, "is not a known tier", str(exc.args[0]).split("; ", 1)[-1]))
+                continue
+            try:
+                resolved.append(tier_cls.model_validate(item))
+            except ValidationError as exc:
+                problems.extend(prefixed(problems_from(exc, tier_cls, item), f"l2[{i}]"))
+        if problems:
+            raise PydanticCustomError(
+                "prefixshare_nested", "{message}", {"message": "; ".join(map(str, problems)), "problems": problems}
+            )
+        return resolved
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, value: str | None) -> str | None:
+        if value is not None and (not value or any(c in value for c in "@/\\\0") or len(value) > 64):
+            raise problem(
+                f"{value!r} is not a valid tenant name",
+                "use 1-64 characters without '@', '/', '\\' (it becomes part of every store key)",
+            )
+        return value
+
+    @field_validator("admission")
+    @classmethod
+    def _admission(cls, value: Any) -> Any:
+        if value is None or isinstance(value, Rule):
+            return value
+        try:
+            rule_from_config(value, loc="admission")
+        except PolicyError as exc:  # keep each problem's exact path (see _errors.nested)
+            raise PydanticCustomError(
+                "prefixshare_nested", "{message}", {"message": str(exc), "problems": exc.problems}
+            ) from None
+        return value
+
+    @model_validator(mode="after")
+    def _checks(self) -> Policy:
+        types = [t.type for t in self.l2]
+        if len(set(map(repr, self.l2))) != len(self.l2):
+            raise problem(f"l2 lists the same tier twice ({types})", "remove the duplicate entry")
+        return self
+
+    # --- derived ------------------------------------------------------------------------------
+    def admission_rule(self) -> Rule | None:
+        """A fresh rule object (stateful rules keep their own counters per attached engine)."""
+        if self.admission is None:
+            return None
+        if isinstance(self.admission, Rule):
+            return self.admission
+        return rule_from_config(self.admission, loc="admission")
+
+    def admission_config(self) -> Any:
+        if isinstance(self.admission, Rule):
+            return self.admission.to_config()
+        return self.admission
+
+    @property
+    def shares_across_nodes(self) -> bool:
+        return any(t.shares_across_nodes for t in self.l2)
+
+    # --- construction helpers -------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str) -> Policy:
+        from prefixshare.policy._load import load_policy_file
+
+        return load_policy_file(path)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> Policy:
+        from prefixshare.policy._load import policy_from_mapping
+
+        return policy_from_mapping({"preset": name, **overrides}, source=f"preset {name!r}")
+
+    @classmethod
+    def build(cls, **fields: Any) -> Policy:
+        """Keyword construction with prefixshare's field-level errors (PolicyError, not pydantic's)."""
+        from prefixshare.policy._load import policy_from_mapping
+
+        return policy_from_mapping(fields, source=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json", exclude={"admission", "l2"})
+        data["l2"] = [t.model_dump(mode="json", exclude_defaults=True) | {"type": t.type} for t in self.l2]
+        data["admission"] = self.admission_config()
+        return data
+
+    def server_argv(self, *, executable: list[str] | None = None) -> list[str]:
+        from prefixshare.policy._render import server_argv
+
+        return server_argv(self, executable=executable)
+
+    def legacy_config(self) -> dict[str, Any]:
+        from prefixshare.policy._render import legacy_config
+
+        return legacy_config(self)

@@ -1,0 +1,102 @@
+"""Render a Policy into what LMCache reads: the MP server's argv and the in-process engine config.
+
+Field names are LMCache's own; tests feed both renderings to LMCache's parsers, so a rendering that
+LMCache would reject (or silently ignore) fails our suite rather than a user's deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from prefixshare.policy._model import Policy
+
+
+def _fmt(value: float) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def server_argv(policy: Policy, *, executable: list[str] | None = None, redact: bool = False) -> list[str]:
+    """The full command line of ``lmcache server`` for this policy.
+
+    ``executable`` defaults to this interpreter running LMCache's CLI module, so the server always
+    comes from the same environment as prefixshare (not whichever ``lmcache`` is first on PATH).
+    """
+    srv, l1 = policy.server, policy.l1
+    argv = list(executable) if executable is not None else [sys.executable, "-m", "lmcache.cli.main"]
+    argv += [
+        "server",
+        "--host", srv.host,
+        "--port", str(srv.port),
+        "--chunk-size", str(policy.chunk_size),
+        "--hash-algorithm", srv.hash_algorithm,
+        "--max-workers", str(srv.max_workers),
+        "--supported-transfer-mode", srv.transfer_mode,
+        "--l1-size-gb", _fmt(l1.size_gb),
+        "--eviction-policy", l1.eviction,
+        "--eviction-trigger-watermark", _fmt(l1.trigger_watermark),
+        "--eviction-ratio", _fmt(l1.eviction_ratio),
+        "--http-host", srv.http_host,
+        "--http-port", str(srv.http_port),
+    ]  # fmt: skip
+    if srv.shm_name is not None:
+        argv += ["--shm-name", srv.shm_name]
+    for tier in policy.l2:
+        cfg = tier.redacted() if redact else tier.adapter_config()
+        argv += ["--l2-adapter", json.dumps(cfg, sort_keys=True, separators=(",", ":"))]
+    argv += list(srv.extra_args)
+    return argv
+
+
+def server_env(policy: Policy) -> dict[str, str]:
+    """Environment the server process needs: telemetry off, plus tier credentials."""
+    env = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
+    for tier in policy.l2:
+        env.update(tier.server_env())
+    return env
+
+
+def legacy_config(policy: Policy) -> dict[str, Any]:
+    """The in-process ``LMCacheEngineConfig`` mapping (YAML keys) equivalent to this policy.
+
+    The in-process engine has one CPU tier and at most one remote: the first L2 tier that has an
+    in-process equivalent becomes ``remote_url``; what cannot be expressed is listed under the
+    ``_notes`` key (not an LMCache key; strip it before writing LMCache's YAML — :func:`legacy_yaml`).
+    """
+    notes: list[str] = []
+    cfg: dict[str, Any] = {
+        "chunk_size": policy.chunk_size,
+        "local_cpu": True,
+        "max_local_cpu_size": policy.l1.size_gb,
+        "save_unfull_chunk": False,
+        # The default ('builtin') is Python's hash(): replicas only agree when every one sets the same
+        # PYTHONHASHSEED. sha256_cbor is deterministic, so replicas agree by construction.
+        "pre_caching_hash_algorithm": "sha256_cbor",
+        "remote_serde": "naive",
+    }
+    remote = None
+    for tier in policy.l2:
+        legacy = tier.legacy()
+        if legacy is None:
+            notes.append(f"tier {tier.describe()} has no in-process equivalent; it is left out")
+        elif remote is None:
+            remote = legacy
+            notes.extend(legacy.notes)
+        else:
+            notes.append(f"the in-process engine takes one remote; tier {tier.describe()} is left out")
+    if remote is not None:
+        cfg["remote_url"] = remote.remote_url
+        if remote.extra_config:
+            cfg["extra_config"] = dict(remote.extra_config)
+    if policy.tenant:
+        notes.append("tenant isolation is applied by prefixshare's connector (cache salt), not by this config")
+    cfg["_notes"] = notes
+    return cfg
+
+
+def legacy_yaml(policy: Policy) -> str:
+    import yaml
+
+    cfg = {k: v for k, v in legacy_config(policy).items() if not k.startswith("_")}
+    return yaml.safe_dump(cfg, sort_keys=False)

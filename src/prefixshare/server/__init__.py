@@ -1,0 +1,5 @@
+"""The node's LMCache multiprocess (MP) server, started and stopped from a Policy."""
+
+from prefixshare.server._process import LMCacheServer
+
+__all__ = ["LMCacheServer"]

@@ -1,0 +1,77 @@
+"""Shared filesystem tier: one file per chunk under ``base_path`` (a local disk or an NFS mount).
+
+Several MP servers pointed at one directory share every chunk (a lookup is a file-exists check), so
+this is the first tier to try: no extra service, and it scales to a home cluster on NFS.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from prefixshare.tiers._base import LegacyRemote, TierConfig, problem
+
+
+class FsTier(TierConfig):
+    type: Literal["fs"] = "fs"
+    summary = "a directory, local or on a shared mount (NFS); several servers on one directory share chunks"
+
+    # ``create`` comes first so that base_path's validator can see it.
+    create: bool = Field(False, description="create base_path (mode 0750) when the server starts")
+    base_path: str = Field(description="absolute directory that holds one file per chunk")
+    read_ahead_size: int | None = Field(None, gt=0, description="bytes read ahead per file")
+    use_odirect: bool = Field(False, description="bypass the page cache (O_DIRECT)")
+    relative_tmp_dir: str | None = Field(None, description="in-progress writes, relative to base_path")
+
+    @field_validator("base_path", mode="before")
+    @classmethod
+    def _expand(cls, value: Any) -> Any:
+        if isinstance(value, str | os.PathLike):
+            return os.path.expandvars(os.path.expanduser(os.fspath(value)))
+        return value
+
+    @field_validator("base_path")
+    @classmethod
+    def _absolute_existing(cls, value: str, info: ValidationInfo) -> str:
+        if not value:
+            raise problem("is empty", "set it to an absolute directory, e.g. /mnt/nfs/prefixshare")
+        if not os.path.isabs(value):
+            raise problem("is not an absolute path", f"use an absolute path, e.g. {os.path.abspath(value)}")
+        path = Path(os.path.normpath(value))
+        if path.exists() and not path.is_dir():
+            raise problem("exists but is not a directory", "point base_path at a directory")
+        if not path.exists() and not info.data.get("create", False):
+            raise problem("does not exist", "create it or set create: true")
+        return str(path)
+
+    @field_validator("relative_tmp_dir")
+    @classmethod
+    def _relative(cls, value: str | None) -> str | None:
+        if value is not None and (os.path.isabs(value) or ".." in Path(value).parts):
+            raise problem("must be a relative path inside base_path", "use e.g. '.tmp'")
+        return value
+
+    def _adapter_fields(self) -> dict[str, Any]:
+        return {
+            "base_path": self.base_path,
+            "read_ahead_size": self.read_ahead_size,
+            "use_odirect": self.use_odirect or None,
+            "relative_tmp_dir": self.relative_tmp_dir,
+        }
+
+    def legacy(self) -> LegacyRemote:
+        # The in-process engine's fs connector needs a host:port placeholder (``fs:///path`` is rejected).
+        return LegacyRemote(remote_url=f"fs://localhost:0{self.base_path}")
+
+    def prepare(self) -> None:
+        path = Path(self.base_path)
+        if not path.exists():
+            path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"fs tier: {self.base_path} is not writable by this user")
+
+    def describe(self) -> str:
+        return f"fs:{self.base_path}"

@@ -1,0 +1,1 @@
+"""Test-only helpers (never shipped): LMCache's own parsers and a raw MP client."""

@@ -1,0 +1,102 @@
+"""CLI: policy init/validate/render and server start/status/stop, through the real app."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from conftest import free_port
+from helpers.lmcache_parsers import parse_server_argv
+from prefixshare.policy import Policy
+
+runner = CliRunner()
+
+
+def invoke(cli: typer.Typer, *args: str) -> object:
+    return runner.invoke(cli, list(args), env={"COLUMNS": "200"})
+
+
+def test_init_writes_a_valid_commented_policy(cli: typer.Typer, tmp_path: Path) -> None:
+    for preset in ("single-node", "shared-nfs", "valkey", "mooncake"):
+        store = tmp_path / preset
+        store.mkdir()
+        result = invoke(cli, "policy", "init", "--preset", preset, "--store", str(store))
+        assert result.exit_code == 0, result.output
+        assert result.output.startswith("# prefixshare policy")
+        path = tmp_path / f"{preset}.yaml"
+        path.write_text(result.output)
+        policy = Policy.from_yaml(str(path))
+        if preset in ("single-node", "shared-nfs"):
+            assert policy.l2[0].base_path == str(store)
+        # every commented example is itself valid when uncommented
+        optional = "\n".join(
+            ln[2:] for ln in result.output.split("optional settings")[1].splitlines()[1:] if ln.startswith("# ")
+            and not ln.startswith("# Other")
+        )
+        Policy.build(**yaml.safe_load(optional))
+
+
+def test_validate_exit_codes_and_json(cli: typer.Typer, tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(f"chunk_size: 64\nl2:\n  - type: fs\n    base_path: {tmp_path}\n")
+    ok = invoke(cli, "policy", "validate", str(good), "--json")
+    assert ok.exit_code == 0 and json.loads(ok.output)["valid"] is True
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("chunk_size: 0\nl2:\n  - type: fs\n    base_path: /nfs/kv\n")
+    result = invoke(cli, "policy", "validate", str(bad), "--json")
+    assert result.exit_code == 2
+    problems = {p["loc"]: p for p in json.loads(result.output)["problems"]}
+    assert problems["l2[0].base_path"]["fix"] == "create it or set create: true"
+    assert problems["chunk_size"]["value"] == 0
+    text = invoke(cli, "policy", "validate", str(bad))
+    assert text.exit_code == 2 and "Traceback" not in text.output
+    assert "l2[0].base_path: '/nfs/kv' does not exist; create it or set create: true" in text.output
+    missing = invoke(cli, "policy", "validate", str(tmp_path / "nope.yaml"))
+    assert missing.exit_code == 2 and "Traceback" not in missing.output
+
+
+def test_render_json_is_what_lmcache_parses(cli: typer.Typer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VK_PW", "s3cret")
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        f"l2:\n  - type: fs\n    base_path: {tmp_path}\n"
+        "  - type: valkey\n    startup_nodes: [127.0.0.1:6379]\n    password_env: VK_PW\n"
+    )
+    result = invoke(cli, "policy", "render", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["server_argv"][:2] == ["lmcache", "server"]
+    assert "s3cret" not in result.output  # masked unless --show-secrets
+    parse_server_argv(data["server_argv"][2:])
+    assert data["legacy_config"]["remote_url"] == f"fs://localhost:0{tmp_path}"
+    shown = invoke(cli, "policy", "render", str(path))
+    assert shown.exit_code == 0 and "--l2-adapter" in shown.output and "chunk_size: 256" in shown.output
+
+
+@pytest.mark.server
+def test_server_start_status_stop(cli: typer.Typer, tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        f"chunk_size: 32\nl1: {{size_gb: 0.1}}\nl2:\n  - type: fs\n    base_path: {tmp_path / 'kv'}\n    create: true\n"
+        f"server: {{port: {free_port()}, http_port: {free_port()}, start_timeout_s: 90}}\n"
+    )
+    down = invoke(cli, "server", "status", "--policy", str(path), "--json")
+    assert down.exit_code == 1 and json.loads(down.output)["healthy"] is False
+    try:
+        started = invoke(cli, "server", "start", "--policy", str(path), "--json")
+        assert started.exit_code == 0, started.output
+        assert json.loads(started.output)["started"] is True
+        again = invoke(cli, "server", "start", "--policy", str(path), "--json")
+        assert json.loads(again.output)["started"] is False  # reused
+        up = invoke(cli, "server", "status", "--policy", str(path), "--json")
+        info = json.loads(up.output)
+        assert up.exit_code == 0 and info["healthy"] and info["chunk_size"] == 32
+    finally:
+        stopped = invoke(cli, "server", "stop", "--policy", str(path), "--json")
+    assert json.loads(stopped.output) == {"stopped": True}
+    assert invoke(cli, "server", "status", "--policy", str(path)).exit_code == 1

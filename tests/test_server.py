@@ -1,0 +1,134 @@
+"""The LMCache MP server lifecycle against the real server: start, health, a real store + retrieve round
+trip from separate processes, a second server on the same fs directory, reuse, failures, stop."""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, run_mp_client
+from prefixshare.errors import ServerError
+from prefixshare.policy import Policy
+from prefixshare.server import LMCacheServer
+
+pytestmark = pytest.mark.server
+
+
+def make_policy(store: Path, **overrides: object) -> Policy:
+    port = free_port()
+    fields: dict = {
+        "chunk_size": 32,
+        "l1": {"size_gb": 0.1},
+        "l2": [{"type": "fs", "base_path": str(store), "create": True}],
+        "server": {"port": port, "http_port": free_port(), "start_timeout_s": 90},
+    }
+    fields.update(overrides)
+    return Policy.build(**fields)
+
+
+def hits(result: str) -> tuple[int, int]:
+    match = re.search(r"hit_chunks=(\d+)/(\d+)", result)
+    assert match, result
+    return int(match.group(1)), int(match.group(2))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("store") / "kv"
+
+
+@pytest.fixture(scope="module")
+def server_a(store: Path) -> Iterator[LMCacheServer]:
+    with LMCacheServer(make_policy(store)) as server:
+        yield server
+
+
+def test_start_health_and_status(server_a: LMCacheServer, store: Path) -> None:
+    assert server_a.owned and server_a.healthy()
+    status = server_a.status()
+    assert status["chunk_size"] == 32 and status["hash_algorithm"] == "blake3"
+    assert store.is_dir() and (store.stat().st_mode & 0o777) == 0o750  # created by the policy's tier
+
+
+def test_round_trip_through_the_server_from_fresh_processes(server_a: LMCacheServer, store: Path) -> None:
+    stored = run_mp_client("store", server_a.url)
+    assert stored.returncode == 0 and "STORE ok = True" in stored.stdout, stored.stderr[-2000:]
+    files = sorted(store.glob("*.data"))
+    assert len(files) == 4  # 128 tokens / chunk 32, one file per chunk
+    fetched = run_mp_client("fetch", server_a.url)  # a fresh process: nothing shared but the server
+    assert fetched.returncode == 0, fetched.stdout + fetched.stderr[-2000:]
+    assert "bytes_equal = True" in fetched.stdout and hits(fetched.stdout) == (4, 4)
+    # negative controls: another model name and another salt are other namespaces
+    assert hits(run_mp_client("lookup", server_a.url, model="other/model").stdout) == (0, 4)
+    assert hits(run_mp_client("lookup", server_a.url, salt="tenant-b").stdout) == (0, 4)
+
+
+def test_second_server_on_the_same_directory_sees_the_chunks(server_a: LMCacheServer, store: Path) -> None:
+    if not list(store.glob("*.data")):
+        assert run_mp_client("store", server_a.url).returncode == 0
+    with LMCacheServer(make_policy(store)) as server_b:  # a second "node" on the shared directory
+        assert server_b.owned and server_b.url != server_a.url
+        fetched = run_mp_client("fetch", server_b.url)
+        assert fetched.returncode == 0, fetched.stdout + fetched.stderr[-2000:]
+        assert hits(fetched.stdout) == (4, 4) and "bytes_equal = True" in fetched.stdout
+
+
+def test_corrupted_chunk_bytes_reach_the_reader(tmp_path: Path) -> None:
+    """Negative control: the bytes really come from the store (flip them and the reader sees it)."""
+    store = tmp_path / "kv"
+    with LMCacheServer(make_policy(store)) as writer:
+        assert run_mp_client("store", writer.url).returncode == 0
+    for f in store.glob("*.data"):
+        data = bytearray(f.read_bytes())
+        data[100:108] = b"\xff" * 8
+        f.write_bytes(bytes(data))
+    with LMCacheServer(make_policy(store)) as reader:  # fresh L1: must read the L2 files
+        fetched = run_mp_client("fetch", reader.url)
+    assert "bytes_equal = False" in fetched.stdout and fetched.returncode == 1, fetched.stdout
+
+
+def test_reuse_a_compatible_server_and_refuse_an_incompatible_one(server_a: LMCacheServer, store: Path) -> None:
+    same = LMCacheServer(server_a.policy).start()
+    assert not same.owned  # reused: several engines on a node share one server
+    same.stop()  # stopping a reused server leaves it running
+    assert server_a.healthy()
+    other = server_a.policy.model_copy(update={"chunk_size": 64})
+    with pytest.raises(ServerError, match=r"not compatible.*chunk_size 32 \(policy: 64\)"):
+        LMCacheServer(other).start()
+    with pytest.raises(ServerError, match="already running"):
+        LMCacheServer(server_a.policy).start(reuse=False)
+
+
+def test_a_port_held_by_another_program_is_named(tmp_path: Path) -> None:
+    policy = make_policy(tmp_path / "kv")
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", policy.server.port))
+        blocker.listen()
+        with pytest.raises(ServerError, match=r"server\.port .* not an LMCache server"):
+            LMCacheServer(policy).start()
+
+
+def test_start_failure_shows_the_log_and_the_likely_cause(tmp_path: Path) -> None:
+    policy = make_policy(tmp_path / "kv", server={
+        "port": free_port(), "http_port": free_port(), "start_timeout_s": 90,
+        "extra_args": ["--l2-adapter", '{"type": "fs"}'],  # LMCache rejects this: no base_path
+    })
+    with pytest.raises(ServerError) as info:
+        LMCacheServer(policy).start()
+    text = str(info.value)
+    assert "exited with code" in text
+    assert "likely cause: LMCache rejected an l2 tier" in text
+    assert "base_path must be a non-empty string" in text  # the server's own words, from its log
+
+
+def test_stop_ends_the_process(tmp_path: Path) -> None:
+    server = LMCacheServer(make_policy(tmp_path / "kv")).start()
+    process = server.process
+    assert process is not None and process.poll() is None
+    server.stop()
+    assert process.poll() is not None and not server.healthy()
+    assert not server.state_path.exists()
