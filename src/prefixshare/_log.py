@@ -15,6 +15,9 @@ import structlog
 
 
 def get_logger(name: str, **context: Any) -> structlog.stdlib.BoundLogger:
+    if not structlog.is_configured():
+        # A library stays quiet unless asked: warnings and errors on stderr until configure() is called.
+        configure(level="WARNING")
     # A lazy proxy: it picks up configure() even when created at import time.
     return structlog.get_logger(name, **context)
 
