@@ -91,6 +91,7 @@ def compute_fingerprint(
     weights: WeightsMode = "content",
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
 ) -> Fingerprint:
     """Fingerprint the model in ``model_dir`` as served with ``settings``.
 
@@ -109,6 +110,9 @@ def compute_fingerprint(
       get the *same* weights digest, and their replicas would load each other's KV, silently
       producing wrong outputs. Use it only when every replica is known to serve the same checkpoint,
       ideally pinned by ``revision``.
+
+    ``tokenizer_dir`` is where the tokenizer files live when the engine loads the tokenizer from
+    another directory than the weights (vLLM's ``tokenizer=``); default: ``model_dir``.
 
     ``revision`` is the Hugging Face commit; when not given it is read from a cache snapshot path
     (``.../snapshots/<sha>/``), a ``.revision`` file, or ``huggingface-cli download --local-dir``
@@ -131,7 +135,7 @@ def compute_fingerprint(
     with DigestCache(cache_dir) as cache:
         weights_info = _weights_info(root, weights, cache, revision or _detect_revision(root))
         lora = tuple(_lora_info(name, path, cache) for name, path in sorted(settings.lora))
-    tokenizer = _tokenizer_info(root)
+    tokenizer = _tokenizer_info(_resolve_model_dir(Path(tokenizer_dir).expanduser()) if tokenizer_dir else root)
     engine = EngineInfo(
         engine=settings.engine,
         engine_version=settings.engine_version,
