@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported lazily by __getattr__)
 _EXPORTS: dict[str, str] = {
     "Policy": "prefixshare.policy",
+    "PrefixShare": "prefixshare.adapters",
     "LMCacheServer": "prefixshare.server",
     "EngineSettings": "prefixshare.fingerprint",
     "Fingerprint": "prefixshare.fingerprint",
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from prefixshare.fingerprint import EngineSettings, Fingerprint, compute_fingerprint, diff
     from prefixshare.plan import plan
     from prefixshare.policies import TTL, AdmissionRequest, ByteBudget, Frequency, MinTokens, Pinned, TenantAllow
+    from prefixshare.adapters import PrefixShare
     from prefixshare.policy import Policy
     from prefixshare.server import LMCacheServer
 

@@ -1,0 +1,126 @@
+"""``PrefixShare``: one object that owns the node's LMCache MP server and wires engines to it."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from prefixshare._log import get_logger
+from prefixshare.errors import PrefixShareError, ServerError
+from prefixshare.policy import Policy
+from prefixshare.server import LMCacheServer
+
+
+class PrefixShare:
+    """Share KV of stable prefixes across engine replicas under one :class:`~prefixshare.Policy`.
+
+    ::
+
+        with PrefixShare("policy.yaml") as ps:
+            llm = ps.attach(vllm.EngineArgs(model="/models/m", block_size=128))
+            out = llm.generate(prompt, params)
+            print(ps.stats())
+
+    ``server=True`` (default) starts the node's MP server from the policy, or reuses a compatible one
+    already listening; ``server=False`` expects one to be running (it is checked, not started).
+    """
+
+    def __init__(self, policy: Policy | str | Path | None = None, *, server: bool = True,
+                 instance: str | None = None) -> None:
+        self.policy_file: str | None = None
+        if isinstance(policy, str | Path):
+            self.policy_file = str(Path(policy).resolve())
+            policy = Policy.from_yaml(self.policy_file)
+        self.policy: Policy = policy if policy is not None else Policy.from_preset("single-node")
+        self.instance = instance or f"ps-{uuid.uuid4().hex[:10]}"
+        self.server = LMCacheServer(self.policy)
+        self._start_server = server
+        self._started = False
+        self.engines: list[Any] = []
+        self.log = get_logger(__name__, instance=self.instance)
+
+    # --- server --------------------------------------------------------------------------------------
+    def start(self) -> PrefixShare:
+        """Make sure the policy's MP server is up and keys the same way on every replica."""
+        if self._started:
+            return self
+        if self._start_server:
+            self.server.start()
+        elif not self.server.healthy():
+            raise ServerError(f"no LMCache server answers at {self.server.http_url}; start it with "
+                              "`prefixshare server start --policy FILE` or use PrefixShare(..., server=True)")
+        else:
+            problems = self.server.incompatibilities()
+            if problems:
+                raise ServerError("the running LMCache server does not match the policy: " + "; ".join(problems))
+        self._started = True
+        return self
+
+    # --- engines -------------------------------------------------------------------------------------
+    def engine_kwargs(self, **kwargs: Any) -> dict[str, Any]:
+        """``vllm.LLM`` keyword arguments wired to prefixshare, for users who build the engine themselves."""
+        from prefixshare.adapters import vllm as vllm_adapter
+
+        return vllm_adapter.engine_kwargs(self.policy, instance=self.instance, policy_file=self.policy_file, **kwargs)
+
+    def serve_args(self, model: str, *, engine: str = "vllm", policy_file: str | None = None) -> tuple[list[str], dict[str, str]]:
+        """The server command line and environment for an engine replica behind an HTTP API."""
+        policy_file = policy_file or self.policy_file
+        if policy_file is None:
+            raise PrefixShareError("serve_args needs the policy as a file (servers read it at start): "
+                                   "PrefixShare('policy.yaml') or serve_args(..., policy_file=PATH)")
+        if engine == "vllm":
+            from prefixshare.adapters import vllm as vllm_adapter
+
+            return vllm_adapter.serve_args(self.policy, model, policy_file=policy_file)
+        raise PrefixShareError(f"unknown engine {engine!r}; supported: vllm")
+
+    def attach(self, engine: Any, *, engine_type: str | None = None) -> Any:
+        """Start an engine wired to the shared store and return it (vLLM: a running ``vllm.LLM``)."""
+        kind = engine_type or _engine_kind(engine)
+        self.start()
+        if kind == "vllm":
+            from prefixshare.adapters import vllm as vllm_adapter
+
+            llm = vllm_adapter.attach(self.policy, engine, instance=self.instance)
+        else:
+            raise PrefixShareError(f"unknown engine {kind!r}; supported: vllm")
+        self.engines.append(llm)
+        self.log.info("engine.attached", engine=kind)
+        return llm
+
+    # --- observability -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters of every engine attached under this instance (hits, tokens, bytes, latencies, refusals)."""
+        from prefixshare.adapters._runtime import read_stats
+
+        return read_stats(self.instance)
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        for engine in self.engines:
+            shutdown = getattr(getattr(engine, "llm_engine", None), "shutdown", None) or getattr(engine, "shutdown", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except Exception as exc:  # noqa: BLE001 - closing must not raise over the user's own error
+                    self.log.warning("engine.shutdown_failed", error=str(exc))
+        self.engines.clear()
+        self.server.stop()
+        self._started = False
+
+    def __enter__(self) -> PrefixShare:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _engine_kind(engine: Any) -> str:
+    module = type(engine).__module__.split(".")[0]
+    if module in ("vllm", "sglang"):
+        return module
+    if isinstance(engine, dict):
+        return "sglang" if "model_path" in engine else "vllm"
+    raise PrefixShareError(f"cannot tell which engine {type(engine).__name__} is; pass engine_type='vllm' or 'sglang'")

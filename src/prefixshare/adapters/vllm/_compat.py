@@ -1,0 +1,29 @@
+"""A guarded fix for one vLLM 0.32 bug that breaks in-process engines once LMCache is imported.
+
+With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM's ``triton_utils.dispatcher._rebind_kernels`` calls
+``vars()`` on every loaded module's globals; numba's llvmlite keeps an object whose ``vars()`` is not a
+dict, and engine start fails with ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``.
+We shadow ``vars`` in that one module so such objects count as having no attributes; every other object
+behaves as before. Multiprocess engines (vLLM's default) never hit this path.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any
+
+
+def _safe_vars(obj: Any) -> Any:
+    namespace = builtins.vars(obj)
+    return namespace if hasattr(namespace, "get") else {}
+
+
+def apply() -> bool:
+    """Install the fix if vLLM has the affected module; True when installed."""
+    try:
+        import vllm.triton_utils.dispatcher as dispatcher
+    except ImportError:
+        return False
+    if getattr(dispatcher, "vars", None) is not _safe_vars:
+        dispatcher.vars = _safe_vars  # type: ignore[attr-defined]
+    return True
