@@ -1,0 +1,331 @@
+"""Cross-replica prefix sharing with real vLLM engines and real LMCache MP servers (CPU).
+
+Every replica is a fresh process (tests/helpers/vllm_replica.py); replicas share nothing but the store.
+Outputs are compared with a cold engine without prefixshare: greedy token ids exactly, logprobs within
+1e-4 (a load changes the order of a few float reductions, nothing else). Negative controls: corrupted
+chunk bytes change the output; incompatible replicas (tokenizer, weights, KV dtype) load nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import TESTS, free_port
+from prefixshare.policy import Policy
+from prefixshare.server import LMCacheServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.server]
+
+CHUNK = 64
+DOC_TOKENS = 1100
+LOGPROB_TOL = 1e-4
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+# --- replicas -------------------------------------------------------------------------------------------
+
+
+def run_replica(tmp: Path, name: str, model: Path, policy: Policy | None, requests: list[dict[str, Any]],
+                **extra: Any) -> dict[str, Any]:
+    spec = {"model": str(model), "policy": policy.to_dict() if policy else None, "instance": f"{name}-{os.getpid()}",
+            "requests": requests, **extra}
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(TESTS / "helpers" / "vllm_replica.py"), str(path)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ})
+    (tmp / f"{name}.stderr").write_text(proc.stderr)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, f"replica {name} failed:\n{proc.stderr[-4000:]}"
+    result = json.loads(line[len("RESULT "):])
+    result["events"] = [json.loads(ln) for ln in proc.stderr.splitlines() if ln.startswith("{")]
+    return result
+
+
+def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["token_ids"] == b["token_ids"] and all(
+        abs(x - y) <= LOGPROB_TOL for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
+
+
+def policy_for(store: Path, **overrides: Any) -> Policy:
+    fields: dict[str, Any] = {
+        "chunk_size": CHUNK,
+        "l1": {"size_gb": 0.2},
+        "l2": [{"type": "fs", "base_path": str(store), "create": True}],
+        "server": {"port": free_port(), "http_port": free_port(), "start_timeout_s": 120},
+        "load": {"timeout_s": 2.0},
+        "admission": {"any": [{"min_tokens": 256}, {"pinned": ["manual-*"]}]},
+    }
+    fields.update(overrides)
+    return Policy.build(**fields)
+
+
+# --- fixtures --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def models(work: Path) -> dict[str, Path]:
+    from prefixshare.model import create_model
+
+    main = create_model(work / "main", shape="tiny", seed=0)
+    other = create_model(work / "seed1", shape="tiny", seed=1)
+    # same weights, another tokenizer
+    other_tok = work / "other-tokenizer"
+    shutil.copytree(main, other_tok)
+    for name in TOKENIZER_FILES:
+        if (other / name).exists():
+            shutil.copy(other / name, other_tok / name)
+    # same tokenizer, other weights
+    other_weights = work / "other-weights"
+    shutil.copytree(other, other_weights)
+    for name in TOKENIZER_FILES:
+        if (main / name).exists():
+            shutil.copy(main / name, other_weights / name)
+    return {"main": main, "other_tok": other_tok, "other_weights": other_weights}
+
+
+@pytest.fixture(scope="module")
+def prompts(models: dict[str, Path]) -> dict[str, list[int]]:
+    from transformers import AutoTokenizer
+
+    from prefixshare.model import document_text
+
+    tok = AutoTokenizer.from_pretrained(str(models["main"]))
+
+    def doc(seed: int, n: int) -> list[int]:
+        ids = tok(document_text(n, seed=seed))["input_ids"][:n]
+        assert len(ids) == n
+        return ids
+
+    return {"doc": doc(3, DOC_TOKENS), "short": doc(4, 200), "pinned": doc(5, 200), "tenant": doc(6, 600),
+            "doc2": doc(7, 700), "doc3": doc(8, 700)}
+
+
+@pytest.fixture(scope="module")
+def store(work: Path) -> Path:
+    return work / "store"
+
+
+@pytest.fixture(scope="module")
+def server1(store: Path) -> Iterator[LMCacheServer]:
+    with LMCacheServer(policy_for(store)) as server:
+        yield server
+
+
+def req(ids: list[int], **params: Any) -> dict[str, Any]:
+    return {"prompt_token_ids": ids, "max_tokens": 12, "params": params or None}
+
+
+@pytest.fixture(scope="module")
+def cold(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]) -> dict[str, Any]:
+    names = ["doc", "short", "pinned", "tenant", "doc3"]
+    result = run_replica(work, "cold", models["main"], None, [req(prompts[n]) for n in names])
+    return dict(zip(names, result["results"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def replica_a(work: Path, models: dict[str, Path], prompts: dict[str, list[int]], server1: LMCacheServer) -> dict[str, Any]:
+    requests = [
+        req(prompts["doc"]),
+        req(prompts["short"]),  # 200 tokens < min_tokens 256, not pinned: not stored
+        req(prompts["pinned"], **{"prefixshare.document_id": "manual-7"}),  # short but pinned: stored
+        req(prompts["tenant"], **{"prefixshare.tenant": "acme"}),
+    ]
+    return run_replica(work, "replica-a", models["main"], server1.policy, requests)
+
+
+@pytest.fixture(scope="module")
+def replica_b(work: Path, models: dict[str, Path], prompts: dict[str, list[int]], server1: LMCacheServer,
+              replica_a: dict[str, Any]) -> dict[str, Any]:
+    requests = [
+        req(prompts["doc"]),
+        req(prompts["short"]),
+        req(prompts["pinned"], **{"prefixshare.document_id": "manual-7"}),
+        req(prompts["tenant"], **{"prefixshare.tenant": "globex"}),  # another tenant: must not hit acme's KV
+        req(prompts["tenant"], **{"prefixshare.tenant": "acme"}),
+    ]
+    return run_replica(work, "replica-b", models["main"], server1.policy, requests)
+
+
+# --- tests ------------------------------------------------------------------------------------------------
+
+
+def test_fresh_replica_loads_the_document_and_answers_like_a_cold_engine(
+    replica_a: dict[str, Any], replica_b: dict[str, Any], cold: dict[str, Any]
+) -> None:
+    a, b = replica_a["results"][0], replica_b["results"][0]
+    assert a["num_cached_tokens"] == 0  # the first replica prefills
+    assert b["num_cached_tokens"] >= 0.9 * DOC_TOKENS, b["num_cached_tokens"]  # on its FIRST request
+    assert same_output(a, cold["doc"]) and same_output(b, cold["doc"])
+    stats = replica_b["stats"]
+    assert stats["tokens_loaded"] >= b["num_cached_tokens"] and stats["hits"] >= 1
+    assert stats["bytes_loaded"] == stats["tokens_loaded"] * stats["kv_bytes_per_token"]
+    assert stats["lookup_ms"]["count"] >= 1 and stats["load_ms"]["count"] >= 1
+
+
+def test_admission_stores_only_what_the_policy_admits(
+    replica_a: dict[str, Any], replica_b: dict[str, Any], cold: dict[str, Any], store: Path
+) -> None:
+    short, pinned = replica_b["results"][1], replica_b["results"][2]
+    assert short["num_cached_tokens"] == 0 and same_output(short, cold["short"])
+    assert pinned["num_cached_tokens"] == 192 and same_output(pinned, cold["pinned"])
+    assert replica_a["stats"]["refused"] == {"min_tokens": 1}, replica_a["stats"]  # first reason of the refusal
+    # exact object count written by replica A: doc 17 chunks + pinned 3 + tenant acme 9 (a salted namespace)
+    namespace = replica_a["stats"]["namespace"]
+    files = [f.name for f in store.glob(f"{namespace}@*.data")]
+    acme = [f for f in files if f.endswith("@t-acme.data")]
+    assert len(acme) == 600 // CHUNK
+    assert len([f for f in files if f.count("@") == 3]) == DOC_TOKENS // CHUNK + 200 // CHUNK
+
+
+def test_tenants_never_hit_each_other(replica_b: dict[str, Any], cold: dict[str, Any]) -> None:
+    other, same = replica_b["results"][3], replica_b["results"][4]
+    assert other["num_cached_tokens"] == 0 and same_output(other, cold["tenant"])
+    assert same["num_cached_tokens"] >= 576 and same_output(same, cold["tenant"])
+
+
+def test_two_nodes_on_one_shared_directory(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], store: Path, replica_a: dict[str, Any],
+    cold: dict[str, Any],
+) -> None:
+    with LMCacheServer(policy_for(store)) as server2:  # node 2: its own server, empty L1, same directory
+        result = run_replica(work, "node2", models["main"], server2.policy, [req(prompts["doc"])])["results"][0]
+    assert result["num_cached_tokens"] >= 0.9 * DOC_TOKENS and same_output(result, cold["doc"])
+
+
+def test_corrupted_chunks_change_the_output(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], store: Path, replica_a: dict[str, Any],
+    cold: dict[str, Any],
+) -> None:
+    """Negative control: the loaded KV is really used (noise in the stored bytes changes the answer)."""
+    import numpy as np
+
+    bad = work / "corrupt-store"
+    shutil.copytree(store, bad)
+    rng = np.random.default_rng(0)
+    for path in bad.glob("*.data"):
+        data = np.frombuffer(path.read_bytes(), dtype=np.float32).copy()
+        data += rng.normal(0, 2.0, size=data.shape).astype(np.float32)
+        path.write_bytes(data.tobytes())
+    with LMCacheServer(policy_for(bad)) as server:
+        result = run_replica(work, "corrupt", models["main"], server.policy, [req(prompts["doc"])])["results"][0]
+    assert result["num_cached_tokens"] >= 0.9 * DOC_TOKENS  # same hits...
+    assert not same_output(result, cold["doc"])  # ...different answer
+
+
+@pytest.mark.parametrize(
+    ("variant", "engine", "field"),
+    [("other_tok", {}, "tokenizer"), ("other_weights", {}, "weights"), ("main", {"dtype": "bfloat16"}, "kv_dtype")],
+)
+def test_incompatible_replicas_load_nothing_and_say_why(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], server1: LMCacheServer,
+    replica_a: dict[str, Any], cold: dict[str, Any], variant: str, engine: dict[str, Any], field: str,
+) -> None:
+    out = run_replica(work, f"incompatible-{field}", models[variant], server1.policy, [req(prompts["doc"])],
+                      engine=engine)
+    result = out["results"][0]
+    assert result["num_cached_tokens"] == 0  # same token ids, same store: nothing loaded
+    assert out["stats"]["tokens_loaded"] == 0
+    warnings = [e for e in out["events"] if e.get("event") == "store.incompatible"]
+    assert len(warnings) == 1, out["events"]
+    assert any(field in d for d in warnings[0]["differences"]), warnings[0]
+    if variant == "other_tok":
+        assert same_output(result, cold["doc"])  # the same weights on the same ids: the cold answer
+    if variant == "other_weights":
+        assert result["token_ids"] == hf_greedy(models[variant], prompts["doc"], 12)  # its own cold answer
+
+
+def hf_greedy(model: Path, ids: list[int], n: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    tokens = torch.tensor([ids])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(lm(tokens).logits[0, -1].argmax())
+            out.append(nxt)
+            tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def test_store_down_means_recompute_within_the_timeout(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], cold: dict[str, Any]
+) -> None:
+    server = LMCacheServer(policy_for(work / "down-store")).start()
+    try:
+        assert server.pid is not None
+        out = run_replica(work, "store-down", models["main"], server.policy,
+                          [req(prompts["doc2"]), req(prompts["doc3"])], kill_before={"1": server.pid})
+    finally:
+        server.stop()
+    after = out["results"][1]
+    assert same_output(after, cold["doc3"]) and after["num_cached_tokens"] == 0
+    budget = server.policy.load.timeout_s
+    assert after["seconds"] <= cold["doc3"]["seconds"] + budget + 5.0, (after["seconds"], cold["doc3"]["seconds"])
+
+
+def test_http_server_replica_is_covered_too(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], server1: LMCacheServer,
+    replica_a: dict[str, Any], cold: dict[str, Any],
+) -> None:
+    """A replica behind vLLM's OpenAI server, started with the flags `prefixshare vllm-args` prints."""
+    import urllib.request
+
+    from prefixshare.adapters.vllm import serve_args
+
+    policy_file = work / "serve-policy.yaml"
+    import yaml
+
+    policy_file.write_text(yaml.safe_dump(server1.policy.to_dict()))
+    argv, env = serve_args(server1.policy, str(models["main"]), policy_file=str(policy_file), instance="http")
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    else:
+        argv[:2] = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"][: 2] + argv[1:2]
+    port = free_port()
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+             "--block-size", "32", "--max-model-len", "4096"]
+    log = open(work / "http-server.log", "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (work / "http-server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        body = {"model": str(models["main"]), "prompt": prompts["doc"], "max_tokens": 12, "temperature": 0,
+                "logprobs": 1, "return_token_ids": True, "ignore_eos": True,
+                "kv_transfer_params": {"cached_token_stats": True, "prefixshare.document_id": "manual-http"}}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+        log.close()
+    choice = answer["choices"][0]
+    stats = (answer.get("kv_transfer_params") or choice.get("kv_transfer_params") or {}).get("cached_token_stats", {})
+    assert stats.get("num_lmcache_cached_tokens", 0) >= 0.9 * DOC_TOKENS, answer
+    assert choice["token_ids"] == cold["doc"]["token_ids"]
+    got = choice["logprobs"]["token_logprobs"]
+    assert all(abs(x - y) <= LOGPROB_TOL for x, y in zip(got, cold["doc"]["logprobs"], strict=True))

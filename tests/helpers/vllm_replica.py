@@ -1,0 +1,80 @@
+"""Test-only: one vLLM replica in its own process, driven by a JSON spec; prints a JSON result.
+
+A fresh process per replica is the point: nothing is shared with another replica but the store.
+``policy: null`` runs a cold engine without prefixshare (the reference output).
+
+Spec: {"model": DIR, "policy": {...}|null, "instance": STR, "engine": {LLM kwargs},
+       "requests": [{"prompt_token_ids": [...], "max_tokens": N, "params": {...}, "cache_salt": STR}],
+       "kill_before": {"INDEX": PID}}      # SIGKILL a process (the store) before request INDEX
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: ~3 s engine start
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    from prefixshare._log import configure
+
+    configure(level="INFO", json=True)  # structured events on stderr, for the tests to read
+    import vllm
+
+    engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True,
+              "distributed_executor_backend": "uni", "block_size": 32, "max_model_len": 4096,
+              "enable_prefix_caching": True, "seed": 0, **spec.get("engine", {})}
+    ps = None
+    started = time.monotonic()
+    if spec.get("policy") is None:
+        from prefixshare.adapters.vllm import _compat
+
+        _compat.apply()
+        llm = vllm.LLM(**engine)
+    else:
+        from prefixshare import Policy, PrefixShare
+
+        ps = PrefixShare(Policy.build(**spec["policy"]), server=False, instance=spec["instance"])
+        llm = ps.attach(engine)
+    engine_s = time.monotonic() - started
+    results = []
+    kill = {int(k): v for k, v in spec.get("kill_before", {}).items()}
+    for i, req in enumerate(spec["requests"]):
+        if i in kill:
+            os.kill(kill[i], signal.SIGKILL)
+            time.sleep(0.2)
+        params = vllm.SamplingParams(
+            temperature=0.0, max_tokens=req.get("max_tokens", 12), logprobs=1, ignore_eos=True,
+            extra_args={"kv_transfer_params": req["params"]} if req.get("params") else None,
+        )
+        prompt = {"prompt_token_ids": req["prompt_token_ids"]}
+        if req.get("cache_salt"):
+            prompt["cache_salt"] = req["cache_salt"]
+        t0 = time.monotonic()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        seconds = time.monotonic() - t0
+        comp = out.outputs[0]
+        results.append({
+            "token_ids": list(comp.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)],
+            "num_cached_tokens": out.num_cached_tokens or 0,
+            "seconds": seconds,
+        })
+    result = {"engine_s": engine_s, "results": results, "stats": ps.stats() if ps else None}
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip engine teardown: the process is done (and a killed store must not delay exit)
+
+
+if __name__ == "__main__":
+    main()
