@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first so that nothing below can pull a CUDA build; the lock pins every other version.
 	$(PY) -m pip install -q -c $(LOCK) "torch==2.13.0"
-	$(PY) -m pip install -q -c $(LOCK) -e ".[test,vllm,model]"
+	$(PY) -m pip install -q -c $(LOCK) -e ".[test,vllm,model,demo]"
 	# CUDA-only wheels that break or slow a CPU torch environment (see docs/environment.md).
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $(STAMP)

@@ -33,13 +33,13 @@ def test_public_api_resolves_lazily_without_engines() -> None:
 
 # Layers, lowest first: a module may import only from its own layer or a lower one.
 LAYERS = [
-    {"errors", "_log", "_paths"},
+    {"errors", "_log", "_paths", "_metrics"},
     {"policies", "plan"},
     {"tiers", "fingerprint"},
     {"policy"},
     {"server"},
     {"adapters", "model"},
-    {"warm", "store", "bench"},
+    {"warm", "store", "bench", "demo"},
     {"cli"},
 ]
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import blake3
 
+from prefixshare import _metrics
 from prefixshare._log import get_logger
 from prefixshare._paths import run_dir
 from prefixshare.fingerprint import EngineSettings, Fingerprint, compute_fingerprint, explain, write_manifest
@@ -164,6 +165,7 @@ class ConnectorRuntime:
     ) -> None:
         self.policy = load_policy(extra)
         self.role = role
+        self.engine = settings.engine
         self.instance = str(extra.get(KEY_INSTANCE) or f"{settings.engine}-{os.getpid()}")
         settings = settings.model_copy(update={"chunk_size": self.policy.chunk_size, "tenant": self.policy.tenant})
         self.fingerprint = compute_fingerprint(
@@ -258,6 +260,7 @@ class ConnectorRuntime:
                 self.stats.admitted += 1
             else:
                 self.stats.refused[decision.reason.split(":")[0]] += 1
+        _metrics.admission(self.engine, decision.admit, decision.reason.split(":")[0])
         return info
 
     def salt(self, info: RequestInfo, request_salt: str | None, lora_name: str | None = None) -> str | None:
@@ -283,6 +286,8 @@ class ConnectorRuntime:
                 self.stats.hits += 1
                 info.loaded_tokens = hit_tokens
                 info.load_started = time.monotonic()
+        if seconds is not None:
+            _metrics.lookup(self.engine, seconds, hit_tokens)
 
     def load_done(self, request_id: str) -> None:
         with self._lock:
@@ -291,6 +296,7 @@ class ConnectorRuntime:
                 return
             info.load_s = time.monotonic() - info.load_started
             self.stats.load_ms.append(info.load_s * 1e3)
+        _metrics.load(self.engine, info.load_s, info.loaded_tokens, info.loaded_tokens * self.kv_bytes_per_token)
 
     def fallback(self, info: RequestInfo | None, reason: str) -> None:
         with self._lock:
@@ -298,6 +304,7 @@ class ConnectorRuntime:
             if info is not None:
                 info.fallback = reason
                 info.loaded_tokens = 0
+        _metrics.fallback(self.engine, reason)
         self.log.warning("load.fallback", reason=reason, request_id=info.request_id if info else None,
                          action="recompute")
 
@@ -311,6 +318,8 @@ class ConnectorRuntime:
             self.stats.bytes_stored += stored * self.kv_bytes_per_token
             self.stats.tokens_loaded += info.loaded_tokens
             self.stats.bytes_loaded += info.loaded_tokens * self.kv_bytes_per_token
+        if stored:
+            _metrics.stored(self.engine, stored, stored * self.kv_bytes_per_token)
         if stored and info.admission_request is not None:
             for budget in self._budgets:
                 budget.commit(info.admission_request)
