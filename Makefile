@@ -15,13 +15,19 @@ export TOKENIZERS_PARALLELISM := false
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml $(LOCK) requirements/sglang-cpu.txt tests/env/_torchvision_cpu_fix.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first so that nothing below can pull a CUDA build; the lock pins every other version.
 	$(PY) -m pip install -q -c $(LOCK) "torch==2.13.0"
 	$(PY) -m pip install -q -c $(LOCK) -e ".[test,vllm,model,demo]"
-	# CUDA-only wheels that break or slow a CPU torch environment (see docs/environment.md).
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	# CUDA-only wheels that break a CPU torch environment and that nothing here imports.
+	$(PY) -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+	# SGLang's CPU engine in the same environment: its wheel pins a CUDA torch, so it and the few runtime
+	# dependencies it imports are installed without dependency resolution (requirements/sglang-cpu.txt).
+	$(PY) -m pip install -q --no-deps -r requirements/sglang-cpu.txt
+	# Test-environment hook that makes the registry's torchvision importable beside CPU torch (SGLang imports it).
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  cp tests/env/_torchvision_cpu_fix.py "$$site"/ && echo "import _torchvision_cpu_fix" > "$$site"/_torchvision_cpu_fix.pth
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -36,7 +42,7 @@ demo: $(STAMP)
 
 # Regenerate the lock from the current venv (run after changing dependencies, then commit it).
 lock:
-	$(PY) -m pip freeze --exclude-editable | grep -v -E "^(torchvision|torchaudio|torchcodec|triton)==" > $(LOCK)
+	$(PY) -m pip freeze --exclude-editable | grep -v -E "^(torchaudio|torchcodec)==" > $(LOCK)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
