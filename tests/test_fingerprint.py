@@ -389,14 +389,6 @@ CASES: list[tuple[str, dict[str, Any], Callable[[Path], None] | None, str, str]]
     ("chunk-size", {"chunk_size": 512}, None, "engine.chunk_size", "engine.chunk_size: 256 vs 512"),
     ("tp", {"tp": 2}, None, "engine.tp", "engine.tp: 1 vs 2"),
     ("pp", {"pp": 2}, None, "engine.pp", "engine.pp: 1 vs 2"),
-    ("engine", {"engine": "sglang"}, None, "engine.engine", "engine.engine: vllm vs sglang"),
-    (
-        "engine-version",
-        {"engine_version": "0.9.0"},
-        None,
-        "engine.engine_version",
-        "engine.engine_version: unset vs 0.9.0",
-    ),
     ("lora", {"lora": "LORA"}, None, "engine.lora", "engine LoRA adapters differ: only in b: sql"),
     ("tenant", {"tenant": "acme"}, None, "tenant", "tenant differs: unset vs 'acme'"),
     (
@@ -735,3 +727,16 @@ def test_cli_missing_model_dir(cli: Any, tmp_path: Path) -> None:
     result = _run(cli, str(tmp_path / "missing"))
     assert result.exit_code == 2
     assert "does not exist" in result.output
+
+
+def test_engine_name_counts_only_when_the_layout_is_unknown(tmp_path: Path) -> None:
+    """The declared KV layout decides whether bytes are usable; with no layout, the engine must match."""
+    model = make_model(tmp_path / "m")
+    declared = [EngineSettings(engine=e, engine_version=v, kv_layout="canonical/test", kv_dtype="float32")
+                for e, v in (("vllm", "0.32"), ("sglang", "0.5"))]
+    a, b = (compute_fingerprint(model, s, cache_dir=tmp_path) for s in declared)
+    assert a.digest == b.digest and diff(a, b) == []
+    unknown = [s.model_copy(update={"kv_layout": "unknown"}) for s in declared]
+    a, b = (compute_fingerprint(model, s, cache_dir=tmp_path) for s in unknown)
+    fields = {d.field for d in diff(a, b)}
+    assert {"engine.engine", "engine.engine_version"} <= fields

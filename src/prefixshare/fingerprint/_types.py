@@ -124,11 +124,18 @@ class Fingerprint(_Frozen):
         """The fields that make up :attr:`digest`, as plain JSON data.
 
         Identical to :meth:`model_dump` in JSON mode, except that ``weights.revision`` is blanked in
-        ``content`` mode (the bytes already identify the weights).
+        ``content`` mode (the bytes already identify the weights), and the engine's name and version are
+        blanked when it declares its KV layout (the layout is what decides whether bytes are usable).
         """
         data = self.model_dump(mode="json")
         if self.weights.mode == "content":
             data["weights"]["revision"] = None
+        if self.engine.kv_layout != "unknown":
+            # The stored bytes are described by the layout, not by the program that wrote them: two engines
+            # that declare the same layout share KV (adapters put engine and version into layouts they
+            # cannot prove canonical). With an unknown layout the engine and its version must match.
+            data["engine"]["engine"] = None
+            data["engine"]["engine_version"] = None
         return data
 
     @property

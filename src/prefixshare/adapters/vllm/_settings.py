@@ -35,7 +35,13 @@ def model_dirs(vllm_config: VllmConfig) -> tuple[str, str | None]:
 
 
 def kv_layout(vllm_config: VllmConfig) -> str:
-    """How a stored object's bytes are laid out for this engine build (device type and KV layout)."""
+    """How a stored object's bytes are laid out: engine and version, device type and KV layout.
+
+    The engine and its version are part of the label because no other engine's stored objects have
+    been proven byte-identical to vLLM's (tests/e2e/test_cross_engine.py compares them bit by bit).
+    """
+    import vllm
+
     try:
         from vllm.platforms import current_platform
 
@@ -48,7 +54,8 @@ def kv_layout(vllm_config: VllmConfig) -> str:
         layout = get_kv_cache_layout()
     except Exception:  # noqa: BLE001
         layout = "default"
-    return f"vllm/{device}/{layout}"
+    version = ".".join(vllm.__version__.split(".")[:2])
+    return f"vllm-{version}/{device}/{layout}"
 
 
 def engine_settings(vllm_config: VllmConfig) -> EngineSettings:
