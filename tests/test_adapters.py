@@ -107,3 +107,53 @@ def test_runtime_namespace_admission_salt_and_stats(tmp_path: Path, policy: Poli
     assert stats["requests"] == 3 and stats["admitted"] == 1 and stats["tokens_loaded"] == 256
     assert stats["bytes_loaded"] == 256 * rt.kv_bytes_per_token == 256 * 4 * 2 * 64 * 2 * 4
     assert stats["refused"] == {"min_tokens": 1, "request": 1}
+
+
+# --- SGLang -----------------------------------------------------------------------------------------------
+
+
+def test_sglang_request_settings_round_trip_through_the_request_id() -> None:
+    from prefixshare.adapters.sglang import parse_rid, request_kwargs
+
+    kw = request_kwargs(document_id="manual/7 é", tenant="a@b", prefix_tokens=512, store=False)
+    assert kw["cache_salt"] == tenant_salt("a@b")  # a tenant isolates SGLang's own radix tree too
+    assert parse_rid(kw["rid"]) == {"prefixshare.document_id": "manual/7 é", "prefixshare.tenant": "a@b",
+                                    "prefixshare.prefix_tokens": 512, "prefixshare.store": False}
+    assert request_kwargs()["rid"] != request_kwargs()["rid"]  # request ids stay unique
+    assert parse_rid("plain-request-id") == {}
+
+
+def test_sglang_engine_kwargs_and_conflicts(policy: Policy) -> None:
+    import yaml
+
+    from prefixshare.adapters.sglang import BACKEND, engine_kwargs, runtime_env
+
+    kw = engine_kwargs(policy, instance="s1", model_path="/m", page_size=16)
+    assert kw["enable_lmcache"] is True and kw["radix_cache_backend"] == BACKEND
+    cfg = yaml.safe_load(Path(kw["lmcache_config_file"]).read_text())
+    assert cfg["mp_port"] == policy.server.port and cfg["extra_config"]["lmcache.mp.mq_timeout"] == 1.5
+    env = runtime_env(policy, instance="s1")
+    assert json.loads(env["PREFIXSHARE_SGLANG"])["prefixshare.instance"] == "s1"
+    for bad, loc in (({"page_size": 48}, "engine.page_size"), ({"disable_radix_cache": True}, "engine.disable_radix_cache"),
+                     ({"radix_cache_backend": "hicache"}, "engine.radix_cache_backend")):
+        with pytest.raises(PolicyError) as info:
+            engine_kwargs(policy, instance="s1", model_path="/m", **bad)
+        assert info.value.problems[0].loc == loc
+
+
+def test_sglang_plugin_is_discoverable_through_the_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "prefixshare"]
+    assert ep.value == "prefixshare.adapters.sglang._plugin:register"
+
+
+def test_sglang_args_cli(cli: typer.Typer, tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(f"chunk_size: 64\nl2:\n  - type: fs\n    base_path: {tmp_path}\n")
+    result = CliRunner().invoke(cli, ["sglang-args", "--policy", str(path), "--model", "/models/m", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["argv"][:3] == ["python", "-m", "sglang.launch_server"]
+    assert "--radix-cache-backend" in data["argv"] and "--enable-lmcache" in data["argv"]
+    assert json.loads(data["env"]["PREFIXSHARE_SGLANG"])["prefixshare.policy_file"] == str(path.resolve())

@@ -108,6 +108,7 @@ class RequestInfo:
     load_started: float | None = None
     load_s: float | None = None
     fallback: str | None = None
+    stored_tokens: int = 0
     admission_request: AdmissionRequest | None = None
 
 
@@ -198,6 +199,8 @@ class ConnectorRuntime:
         self._stats_path = run_dir() / "stats" / f"{self.instance}-{role}-{os.getpid()}.json"
         self._stats_path.parent.mkdir(parents=True, exist_ok=True)
         self._last_publish = 0.0
+        self._down_since: float | None = None
+        self._next_probe = 0.0
         if role == "scheduler":
             self._check_store()
         self.publish(force=True)
@@ -221,6 +224,36 @@ class ConnectorRuntime:
             write_manifest(url, self.fingerprint, extra={"namespace": self.namespace, "instance": self.instance})
         except Exception as exc:  # a store we cannot annotate must not stop serving
             self.log.warning("store.manifest_failed", error=str(exc), store=url)
+
+    # --- health gate -----------------------------------------------------------------------------------
+    PROBE_INTERVAL_S = 1.0
+
+    def store_available(self) -> bool:
+        """False while the store is known to be down: requests then skip it entirely (no lookup, no store)
+        instead of each waiting out the timeout; the server's health endpoint is probed at most once a
+        second, and sharing resumes as soon as it answers."""
+        if self._down_since is None:
+            return True
+        now = time.monotonic()
+        if now < self._next_probe:
+            return False
+        self._next_probe = now + self.PROBE_INTERVAL_S
+        try:
+            import httpx
+
+            healthy = httpx.get(self.policy.server.http_url + "/healthcheck", timeout=0.25).status_code == 200
+        except Exception:  # noqa: BLE001 - any failure means: still down
+            healthy = False
+        if healthy:
+            self.log.warning("store.recovered", down_s=round(now - self._down_since, 2))
+            self._down_since = None
+        return healthy
+
+    def mark_down(self, reason: str) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            self._next_probe = self._down_since + self.PROBE_INTERVAL_S
+            self.log.warning("store.down", reason=reason, action="skip the store until its server answers again")
 
     # --- per request -----------------------------------------------------------------------------------
     def begin(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...], params: dict[str, Any] | None,
@@ -299,6 +332,8 @@ class ConnectorRuntime:
         _metrics.load(self.engine, info.load_s, info.loaded_tokens, info.loaded_tokens * self.kv_bytes_per_token)
 
     def fallback(self, info: RequestInfo | None, reason: str) -> None:
+        if reason in ("lookup_timeout", "store_down"):
+            self.mark_down(reason)
         with self._lock:
             self.stats.fallbacks[reason] += 1
             if info is not None:

@@ -58,8 +58,13 @@ class PrefixShare:
         return self
 
     # --- engines -------------------------------------------------------------------------------------
-    def engine_kwargs(self, **kwargs: Any) -> dict[str, Any]:
-        """``vllm.LLM`` keyword arguments wired to prefixshare, for users who build the engine themselves."""
+    def engine_kwargs(self, *, engine: str = "vllm", **kwargs: Any) -> dict[str, Any]:
+        """Engine keyword arguments wired to prefixshare, for users who build the engine themselves
+        (``vllm.LLM(**kw)``; for SGLang also apply :func:`prefixshare.adapters.sglang.runtime_env`)."""
+        if engine == "sglang":
+            from prefixshare.adapters import sglang as sglang_adapter
+
+            return sglang_adapter.engine_kwargs(self.policy, instance=self.instance, **kwargs)
         from prefixshare.adapters import vllm as vllm_adapter
 
         return vllm_adapter.engine_kwargs(self.policy, instance=self.instance, policy_file=self.policy_file, **kwargs)
@@ -74,18 +79,27 @@ class PrefixShare:
             from prefixshare.adapters import vllm as vllm_adapter
 
             return vllm_adapter.serve_args(self.policy, model, policy_file=policy_file)
-        raise PrefixShareError(f"unknown engine {engine!r}; supported: vllm")
+        if engine == "sglang":
+            from prefixshare.adapters import sglang as sglang_adapter
+
+            return sglang_adapter.serve_args(self.policy, model, policy_file=policy_file)
+        raise PrefixShareError(f"unknown engine {engine!r}; supported: vllm, sglang")
 
     def attach(self, engine: Any, *, engine_type: str | None = None) -> Any:
-        """Start an engine wired to the shared store and return it (vLLM: a running ``vllm.LLM``)."""
+        """Start an engine wired to the shared store and return it: a running ``vllm.LLM`` for vLLM
+        (EngineArgs or LLM kwargs), a ``sglang.Engine`` for SGLang (ServerArgs or Engine kwargs)."""
         kind = engine_type or _engine_kind(engine)
         self.start()
         if kind == "vllm":
             from prefixshare.adapters import vllm as vllm_adapter
 
             llm = vllm_adapter.attach(self.policy, engine, instance=self.instance)
+        elif kind == "sglang":
+            from prefixshare.adapters import sglang as sglang_adapter
+
+            llm = sglang_adapter.attach(self.policy, engine, instance=self.instance)
         else:
-            raise PrefixShareError(f"unknown engine {kind!r}; supported: vllm")
+            raise PrefixShareError(f"unknown engine {kind!r}; supported: vllm, sglang")
         self.engines.append(llm)
         self.log.info("engine.attached", engine=kind)
         return llm

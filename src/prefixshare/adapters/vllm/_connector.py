@@ -94,8 +94,14 @@ class PrefixShareConnector(LMCacheMPConnector):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         tracker = self._get_or_create_request_tracker(request)
         info = self.prefixshare.requests.get(request.request_id)
-        if self._load_mode == "never" and tracker.state == LMCacheMPRequestState.PREFETCHING:
-            tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+        if tracker.state == LMCacheMPRequestState.PREFETCHING and tracker.lookup_started_at is None:
+            if self._load_mode == "never":
+                tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+            elif not self.prefixshare.store_available():
+                # The store is known to be down: neither look up nor store (each would wait out the timeout).
+                tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+                tracker.max_offload_tokens = 0
+                self.prefixshare.fallback(info, "store_down")
         # LMCache's connector bypasses itself (recompute) when the engine reports a failed load.
         failed_load = (
             tracker.state == LMCacheMPRequestState.READY
