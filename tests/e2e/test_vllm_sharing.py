@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -20,53 +19,13 @@ from typing import Any
 
 import pytest
 
-from conftest import TESTS, free_port
-from prefixshare.policy import Policy
+from conftest import free_port
+from e2e.common import CHUNK, LOGPROB_TOL, build_models, corrupt_copy, document_ids, policy_for, run_replica, same_output
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
 
-CHUNK = 64
 DOC_TOKENS = 1100
-LOGPROB_TOL = 1e-4
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-# --- replicas -------------------------------------------------------------------------------------------
-
-
-def run_replica(tmp: Path, name: str, model: Path, policy: Policy | None, requests: list[dict[str, Any]],
-                **extra: Any) -> dict[str, Any]:
-    spec = {"model": str(model), "policy": policy.to_dict() if policy else None, "instance": f"{name}-{os.getpid()}",
-            "requests": requests, **extra}
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(TESTS / "helpers" / "vllm_replica.py"), str(path)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ})
-    (tmp / f"{name}.stderr").write_text(proc.stderr)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, f"replica {name} failed:\n{proc.stderr[-4000:]}"
-    result = json.loads(line[len("RESULT "):])
-    result["events"] = [json.loads(ln) for ln in proc.stderr.splitlines() if ln.startswith("{")]
-    return result
-
-
-def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["token_ids"] == b["token_ids"] and all(
-        abs(x - y) <= LOGPROB_TOL for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
-
-
-def policy_for(store: Path, **overrides: Any) -> Policy:
-    fields: dict[str, Any] = {
-        "chunk_size": CHUNK,
-        "l1": {"size_gb": 0.2},
-        "l2": [{"type": "fs", "base_path": str(store), "create": True}],
-        "server": {"port": free_port(), "http_port": free_port(), "start_timeout_s": 120},
-        "load": {"timeout_s": 2.0},
-        "admission": {"any": [{"min_tokens": 256}, {"pinned": ["manual-*"]}]},
-    }
-    fields.update(overrides)
-    return Policy.build(**fields)
 
 
 # --- fixtures --------------------------------------------------------------------------------------------
@@ -79,40 +38,14 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def models(work: Path) -> dict[str, Path]:
-    from prefixshare.model import create_model
-
-    main = create_model(work / "main", shape="tiny", seed=0)
-    other = create_model(work / "seed1", shape="tiny", seed=1)
-    # same weights, another tokenizer
-    other_tok = work / "other-tokenizer"
-    shutil.copytree(main, other_tok)
-    for name in TOKENIZER_FILES:
-        if (other / name).exists():
-            shutil.copy(other / name, other_tok / name)
-    # same tokenizer, other weights
-    other_weights = work / "other-weights"
-    shutil.copytree(other, other_weights)
-    for name in TOKENIZER_FILES:
-        if (main / name).exists():
-            shutil.copy(main / name, other_weights / name)
-    return {"main": main, "other_tok": other_tok, "other_weights": other_weights}
+    return build_models(work)
 
 
 @pytest.fixture(scope="module")
 def prompts(models: dict[str, Path]) -> dict[str, list[int]]:
-    from transformers import AutoTokenizer
-
-    from prefixshare.model import document_text
-
-    tok = AutoTokenizer.from_pretrained(str(models["main"]))
-
-    def doc(seed: int, n: int) -> list[int]:
-        ids = tok(document_text(n, seed=seed))["input_ids"][:n]
-        assert len(ids) == n
-        return ids
-
-    return {"doc": doc(3, DOC_TOKENS), "short": doc(4, 200), "pinned": doc(5, 200), "tenant": doc(6, 600),
-            "doc2": doc(7, 700), "doc3": doc(8, 700)}
+    sizes = {"doc": (3, DOC_TOKENS), "short": (4, 200), "pinned": (5, 200), "tenant": (6, 600), "doc2": (7, 700),
+             "doc3": (8, 700)}
+    return {name: document_ids(models["main"], seed, n) for name, (seed, n) in sizes.items()}
 
 
 @pytest.fixture(scope="module")
@@ -212,15 +145,7 @@ def test_corrupted_chunks_change_the_output(
     cold: dict[str, Any],
 ) -> None:
     """Negative control: the loaded KV is really used (noise in the stored bytes changes the answer)."""
-    import numpy as np
-
-    bad = work / "corrupt-store"
-    shutil.copytree(store, bad)
-    rng = np.random.default_rng(0)
-    for path in bad.glob("*.data"):
-        data = np.frombuffer(path.read_bytes(), dtype=np.float32).copy()
-        data += rng.normal(0, 2.0, size=data.shape).astype(np.float32)
-        path.write_bytes(data.tobytes())
+    bad = corrupt_copy(store, work / "corrupt-store")
     with LMCacheServer(policy_for(bad)) as server:
         result = run_replica(work, "corrupt", models["main"], server.policy, [req(prompts["doc"])])["results"][0]
     assert result["num_cached_tokens"] >= 0.9 * DOC_TOKENS  # same hits...

@@ -1,0 +1,211 @@
+"""Cross-replica prefix sharing with real SGLang CPU engines, and vLLM <-> SGLang safety.
+
+SGLang runs with the test-only ``sgl_kernel`` stand-in from tests/shims (our AVX2 CPUs have no kernel
+wheel). Every replica is a fresh process; outputs are compared with a cold SGLang engine (greedy ids
+exactly, logprobs within 1e-4), with the same negative controls as the vLLM tests. Cross-engine: the
+two engines write different byte layouts under what would be the same key, so each must load nothing
+of the other's KV — and a bit-level comparison checks that the fingerprint's layout labels tell the
+truth (equal labels if and only if equal stored bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.common import CHUNK, build_models, corrupt_copy, document_ids, policy_for, run_replica, same_output
+from prefixshare.server import LMCacheServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.server]
+
+DOC_TOKENS = 1000
+SGL = {"engine_type": "sglang", "timeout": 300}
+
+
+def req(ids: list[int], **settings: Any) -> dict[str, Any]:
+    return {"prompt_token_ids": ids, "max_tokens": 12, **settings}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sglang")
+
+
+@pytest.fixture(scope="module")
+def models(work: Path) -> dict[str, Path]:
+    return build_models(work)
+
+
+@pytest.fixture(scope="module")
+def prompts(models: dict[str, Path]) -> dict[str, list[int]]:
+    sizes = {"doc": (13, DOC_TOKENS), "short": (14, 200), "pinned": (15, 200), "tenant": (16, 600),
+             "doc2": (17, 500), "doc3": (18, 500)}
+    return {name: document_ids(models["main"], seed, n) for name, (seed, n) in sizes.items()}
+
+
+@pytest.fixture(scope="module")
+def store(work: Path) -> Path:
+    return work / "store"
+
+
+@pytest.fixture(scope="module")
+def server(store: Path) -> Iterator[LMCacheServer]:
+    with LMCacheServer(policy_for(store)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def cold(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]) -> dict[str, Any]:
+    names = ["doc", "short", "pinned", "tenant", "doc3"]
+    result = run_replica(work, "sgl-cold", models["main"], None, [req(prompts[n]) for n in names], **SGL)
+    return dict(zip(names, result["results"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def replica_a(work: Path, models: dict[str, Path], prompts: dict[str, list[int]], server: LMCacheServer) -> dict[str, Any]:
+    requests = [
+        req(prompts["doc"]),
+        req(prompts["short"]),  # 200 tokens < min_tokens 256 and not pinned: not stored
+        req(prompts["pinned"], document_id="manual-9"),  # short but pinned: stored
+        req(prompts["tenant"], tenant="acme"),
+    ]
+    return run_replica(work, "sgl-a", models["main"], server.policy, requests, **SGL)
+
+
+@pytest.fixture(scope="module")
+def replica_b(work: Path, models: dict[str, Path], prompts: dict[str, list[int]], server: LMCacheServer,
+              replica_a: dict[str, Any]) -> dict[str, Any]:
+    requests = [
+        req(prompts["doc"]),
+        req(prompts["short"]),
+        req(prompts["pinned"], document_id="manual-9"),
+        req(prompts["tenant"], tenant="globex"),
+        req(prompts["tenant"], tenant="acme"),
+    ]
+    return run_replica(work, "sgl-b", models["main"], server.policy, requests, **SGL)
+
+
+def test_fresh_sglang_replica_loads_the_document_from_the_store(
+    replica_a: dict[str, Any], replica_b: dict[str, Any], cold: dict[str, Any]
+) -> None:
+    a, b = replica_a["results"][0], replica_b["results"][0]
+    assert a["storage_tokens"] == 0 and same_output(a, cold["doc"])
+    assert b["storage_tokens"] >= 0.9 * DOC_TOKENS, b  # storage hits on its FIRST request
+    assert same_output(b, cold["doc"])
+    stats = replica_b["stats"]
+    assert stats["tokens_loaded"] >= b["storage_tokens"] and stats["hits"] >= 1
+    assert stats["bytes_loaded"] == stats["tokens_loaded"] * stats["kv_bytes_per_token"]
+
+
+def test_sglang_admission_and_tenants(replica_a: dict[str, Any], replica_b: dict[str, Any], cold: dict[str, Any]) -> None:
+    short, pinned, other, same = replica_b["results"][1:5]
+    assert short["storage_tokens"] == 0 and same_output(short, cold["short"])
+    assert pinned["storage_tokens"] == 192 and same_output(pinned, cold["pinned"])
+    assert replica_a["stats"]["refused"] == {"min_tokens": 1}
+    assert other["storage_tokens"] == 0 and same_output(other, cold["tenant"])  # tenants never hit each other
+    assert same["storage_tokens"] >= 576 and same_output(same, cold["tenant"])
+
+
+def test_sglang_corrupted_chunks_change_the_output(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], store: Path, replica_a: dict[str, Any],
+    cold: dict[str, Any],
+) -> None:
+    bad = corrupt_copy(store, work / "corrupt-store")
+    with LMCacheServer(policy_for(bad)) as srv:
+        result = run_replica(work, "sgl-corrupt", models["main"], srv.policy, [req(prompts["doc"])], **SGL)
+    loaded = result["results"][0]
+    assert loaded["storage_tokens"] >= 0.9 * DOC_TOKENS and not same_output(loaded, cold["doc"])
+
+
+def test_sglang_store_down_means_recompute(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], cold: dict[str, Any]
+) -> None:
+    srv = LMCacheServer(policy_for(work / "down-store")).start()
+    try:
+        out = run_replica(work, "sgl-down", models["main"], srv.policy, [req(prompts["doc2"]), req(prompts["doc3"])],
+                          kill_before={"1": srv.pid}, **SGL)
+    finally:
+        srv.stop()
+    after = out["results"][1]
+    assert same_output(after, cold["doc3"]) and after["storage_tokens"] == 0
+    assert after["seconds"] <= cold["doc3"]["seconds"] + srv.policy.load.timeout_s + 5.0, after["seconds"]
+
+
+# --- vLLM <-> SGLang -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cross(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]) -> dict[str, Any]:
+    """vLLM and SGLang replicas on one store, in both orders, plus each engine's own store for bit comparison."""
+    out: dict[str, Any] = {}
+    shared = work / "cross-store"
+    with LMCacheServer(policy_for(shared)) as srv:
+        out["vllm_writes"] = run_replica(work, "x-vllm-a", models["main"], srv.policy, [req(prompts["doc"])])
+        out["sglang_reads"] = run_replica(work, "x-sgl-b", models["main"], srv.policy, [req(prompts["doc"])], **SGL)
+        out["vllm_reads"] = run_replica(work, "x-vllm-b", models["main"], srv.policy,
+                                        [req(prompts["doc"]), req(prompts["tenant"])])
+    out["store"] = shared
+    return out
+
+
+def _incompatible_events(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in result["events"] if e.get("event") == "store.incompatible"]
+
+
+def test_vllm_written_kv_is_refused_by_sglang_and_the_reverse(cross: dict[str, Any], cold: dict[str, Any]) -> None:
+    sgl = cross["sglang_reads"]["results"][0]
+    assert sgl["storage_tokens"] == 0 and same_output(sgl, cold["doc"])  # correct cold output, nothing loaded
+    assert cross["sglang_reads"]["stats"]["tokens_loaded"] == 0
+    reasons = _incompatible_events(cross["sglang_reads"])
+    assert reasons and any("KV layout" in d for d in reasons[0]["differences"]), cross["sglang_reads"]["events"]
+    # the reverse: SGLang wrote its own namespace in between; vLLM must not load it either
+    vllm_doc = cross["vllm_reads"]["results"][0]
+    assert vllm_doc["num_cached_tokens"] >= 0.9 * DOC_TOKENS  # its own engine's KV: a hit
+    sgl_ns = cross["sglang_reads"]["stats"]["namespace"]
+    vllm_ns = cross["vllm_reads"]["stats"]["namespace"]
+    assert sgl_ns != vllm_ns
+    files = {p.name.split("@")[0] for p in cross["store"].glob("*.data")}
+    assert files == {sgl_ns, vllm_ns}
+
+
+@pytest.fixture(scope="module")
+def per_engine_objects(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]) -> dict[str, dict[str, bytes]]:
+    """The same tokens stored by each engine into a store of its own: {engine: {chunk hash: bytes}}."""
+    objects: dict[str, dict[str, bytes]] = {}
+    for engine in ("vllm", "sglang"):
+        store = work / f"bits-{engine}"
+        with LMCacheServer(policy_for(store)) as srv:
+            kwargs = SGL if engine == "sglang" else {}
+            result = run_replica(work, f"bits-{engine}", models["main"], srv.policy, [req(prompts["doc"])], **kwargs)
+        objects[engine] = {p.name.split("@")[3]: p.read_bytes() for p in store.glob("*.data") if p.name.count("@") == 3}
+        objects[engine + ".result"] = result  # type: ignore[assignment]
+    return objects
+
+
+def _namespace(result: dict[str, Any]) -> str:
+    return str(result["stats"]["namespace"])
+
+
+def test_layout_labels_tell_the_truth_bit_for_bit(per_engine_objects: dict[str, Any]) -> None:
+    """Equal stored bytes if and only if equal fingerprints (namespaces): sharing is allowed exactly where the
+    engines' objects are byte-identical. On CPU the layouts differ (vLLM's CPU attention keeps its own
+    blocked layout; SGLang stores split K/V token-major), so the namespaces must differ too."""
+    vllm, sgl = per_engine_objects["vllm"], per_engine_objects["sglang"]
+    common = sorted(set(vllm) & set(sgl))
+    assert len(common) >= DOC_TOKENS // CHUNK - 1, (len(vllm), len(sgl))
+    assert all(len(vllm[h]) == len(sgl[h]) for h in common)  # same size per chunk: only the layout differs
+    identical = all(vllm[h] == sgl[h] for h in common)
+    same_namespace = _namespace(per_engine_objects["vllm.result"]) == _namespace(per_engine_objects["sglang.result"])
+    assert identical == same_namespace, (identical, same_namespace)
+
+
+def test_gpu_layouts_bit_for_bit() -> None:
+    """The GPU case (split K/V formats expected byte-identical through LMCache's GPU connectors) needs CUDA
+    builds of both engines; the device checks run it outside CI."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU with CUDA builds of vLLM and SGLang; CI machines are CPU-only")
+    pytest.skip("run tests/e2e with CUDA engines on a GPU host (see the closing notes of the SGLang issue)")

@@ -1,0 +1,77 @@
+"""Test-only: one SGLang replica in its own process, driven by a JSON spec; prints a JSON result.
+
+Same contract as vllm_replica.py. SGLang's CPU engine needs the test-only ``sgl_kernel`` stand-in from
+tests/shims on PYTHONPATH (the test harness puts it there). ``policy: null`` runs a cold engine.
+Request specs may carry "document_id", "tenant", "prefix_tokens", "store" (prefixshare settings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    from prefixshare._log import configure
+
+    configure(level="INFO", json=True)
+    import sglang
+
+    engine = {"model_path": spec["model"], "device": "cpu", "attention_backend": "torch_native",
+              "disable_cuda_graph": True, "page_size": 16, "dtype": "float32", "mem_fraction_static": 0.3,
+              "max_total_tokens": 16384, "log_level": "warning", "random_seed": 0, **spec.get("engine", {})}
+    ps = None
+    started = time.monotonic()
+    if spec.get("policy") is None:
+        eng = sglang.Engine(**engine)
+    else:
+        from prefixshare import Policy, PrefixShare
+
+        ps = PrefixShare(Policy.build(**spec["policy"]), server=False, instance=spec["instance"])
+        eng = ps.attach(engine, engine_type="sglang")
+    engine_s = time.monotonic() - started
+    from prefixshare.adapters.sglang import request_kwargs
+
+    kill = {int(k): v for k, v in spec.get("kill_before", {}).items()}
+    results = []
+    for i, req in enumerate(spec["requests"]):
+        if i in kill:
+            os.kill(kill[i], signal.SIGKILL)
+            time.sleep(0.2)
+        extra = request_kwargs(document_id=req.get("document_id"), tenant=req.get("tenant"),
+                               prefix_tokens=req.get("prefix_tokens"), store=req.get("store"))
+        t0 = time.monotonic()
+        out = eng.generate(input_ids=req["prompt_token_ids"], return_logprob=True,
+                           sampling_params={"temperature": 0.0, "max_new_tokens": req.get("max_tokens", 12),
+                                            "ignore_eos": True}, **extra)
+        seconds = time.monotonic() - t0
+        meta = out["meta_info"]
+        details = meta.get("cached_tokens_details") or {}
+        results.append({
+            "token_ids": list(out["output_ids"]),
+            "logprobs": [x[0] for x in meta["output_token_logprobs"]],
+            "num_cached_tokens": int(meta.get("cached_tokens") or 0),
+            "storage_tokens": int(details.get("storage") or 0),
+            "seconds": seconds,
+        })
+    result = {"engine_s": engine_s, "results": results, "stats": ps.stats() if ps else None}
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    try:
+        eng.shutdown()
+    finally:
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
