@@ -31,6 +31,7 @@ import blake3
 from prefixshare import _metrics
 from prefixshare._log import get_logger
 from prefixshare._paths import run_dir
+from prefixshare.adapters._cost import CostModel, store_key
 from prefixshare.fingerprint import EngineSettings, Fingerprint, compute_fingerprint, explain, write_manifest
 from prefixshare.plan import kv_bytes_per_token, shape_from_config
 from prefixshare.policies import AdmissionRequest, ByteBudget, Decision, Rule
@@ -195,6 +196,10 @@ class ConnectorRuntime:
         self.kv_bytes_per_token = kv_bytes_per_token(shape, self.fingerprint.engine.kv_dtype)
         self.stats = Stats()
         self.requests: dict[str, RequestInfo] = {}
+        #: cost-aware loading (scheduler side): estimates, decisions and their outcomes (see adapters._cost)
+        self.cost = CostModel(self.namespace, store=store_key(self.policy), kv_bytes_per_token=self.kv_bytes_per_token,
+                              chunk_size=self.policy.chunk_size, mode=self.policy.load.mode,
+                              log=self.log) if role == "scheduler" else None
         self._lock = threading.Lock()
         self._stats_path = run_dir() / "stats" / f"{self.instance}-{role}-{os.getpid()}.json"
         self._stats_path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,30 +235,41 @@ class ConnectorRuntime:
 
     def store_available(self) -> bool:
         """False while the store is known to be down: requests then skip it entirely (no lookup, no store)
-        instead of each waiting out the timeout; the server's health endpoint is probed at most once a
-        second, and sharing resumes as soon as it answers."""
+        instead of each waiting out the timeout. The server's health endpoint and every tier are probed
+        at most once a second, and sharing resumes as soon as they answer."""
         if self._down_since is None:
             return True
         now = time.monotonic()
         if now < self._next_probe:
             return False
         self._next_probe = now + self.PROBE_INTERVAL_S
-        try:
-            import httpx
-
-            healthy = httpx.get(self.policy.server.http_url + "/healthcheck", timeout=0.25).status_code == 200
-        except Exception:  # noqa: BLE001 - any failure means: still down
-            healthy = False
+        healthy = self.probe() is None
         if healthy:
             self.log.warning("store.recovered", down_s=round(now - self._down_since, 2))
             self._down_since = None
         return healthy
 
+    def probe(self) -> str | None:
+        """None when the server and every L2 tier answer, else why not (cheap; no retries)."""
+        try:
+            import httpx
+
+            if httpx.get(self.policy.server.http_url + "/healthcheck", timeout=0.25).status_code != 200:
+                return f"the LMCache server at {self.policy.server.http_url} is not healthy"
+        except Exception as exc:  # noqa: BLE001 - any failure means: down
+            return f"the LMCache server at {self.policy.server.http_url} does not answer ({exc})"
+        for tier in self.policy.l2:
+            reason = tier.probe()
+            if reason is not None:
+                return f"tier {tier.describe()}: {reason}"
+        return None
+
     def mark_down(self, reason: str) -> None:
         if self._down_since is None:
             self._down_since = time.monotonic()
             self._next_probe = self._down_since + self.PROBE_INTERVAL_S
-            self.log.warning("store.down", reason=reason, action="skip the store until its server answers again")
+            self.log.warning("store.down", reason=reason, probe=self.probe(),
+                             action="skip the store until the server and its tiers answer again")
 
     # --- per request -----------------------------------------------------------------------------------
     def begin(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...], params: dict[str, Any] | None,
@@ -374,7 +390,7 @@ class ConnectorRuntime:
         return {
             "instance": self.instance, "role": self.role, "pid": os.getpid(), "namespace": self.namespace,
             "fingerprint": self.fingerprint.digest, "kv_bytes_per_token": self.kv_bytes_per_token,
-            "updated_at": time.time(), **data,
+            "updated_at": time.time(), **data, **({"cost": self.cost.snapshot()} if self.cost is not None else {}),
         }
 
     def publish(self, force: bool = False) -> None:
@@ -416,5 +432,7 @@ def read_stats(instance: str) -> dict[str, Any]:
         total["kv_bytes_per_token"] = snap.get("kv_bytes_per_token")
         total["lookup_ms"] = snap.get("lookup_ms")
         total["load_ms"] = snap.get("load_ms")
+        if "cost" in snap:
+            total["cost"] = snap["cost"]
     total["refused"], total["fallbacks"] = dict(refused), dict(fallbacks)
     return total

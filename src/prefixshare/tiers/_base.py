@@ -106,8 +106,42 @@ class TierConfig(BaseModel):
     def prepare(self) -> None:
         """Side effects before a server uses the tier (e.g. create a directory). Idempotent."""
 
+    def probe(self, timeout_s: float = 0.25) -> str | None:
+        """A cheap reachability check (no retries): None when the tier answers, else why not.
+
+        Used by the connectors' health gate (skip a dead tier instead of waiting out a timeout on every
+        request) and by ``prefixshare doctor``. The default has nothing to check."""
+        return None
+
     def describe(self) -> str:
         return f"{self.type}"
+
+
+def resp_ping(host: str, port: int, timeout_s: float) -> str | None:
+    """None if a Redis-protocol server answers PING within the timeout (a frozen server accepts TCP
+    connections but never answers, so a connect alone proves nothing)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(b"*1\r\n$4\r\nPING\r\n")
+            reply = conn.recv(64)
+    except OSError as exc:
+        return f"{host}:{port} does not answer PING ({exc.strerror or exc})"
+    # +PONG, or an error such as -NOAUTH: either way the server is alive and answering
+    return None if reply[:1] in (b"+", b"-") else f"{host}:{port} answered PING with {reply[:20]!r}"
+
+
+def tcp_probe(host: str, port: int, timeout_s: float) -> str | None:
+    """None if a TCP connection to host:port opens within the timeout, else the reason."""
+    import socket
+
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"{host}:{port} unreachable ({exc.strerror or exc})"
 
 
 def read_secret(env_name: str | None) -> str | None:

@@ -73,5 +73,13 @@ class FsTier(TierConfig):
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(f"fs tier: {self.base_path} is not writable by this user")
 
+    def probe(self, timeout_s: float = 0.25) -> str | None:
+        path = Path(self.base_path)
+        if not path.is_dir():
+            return f"{self.base_path} is not a directory"
+        if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+            return f"{self.base_path} is not readable and writable by this user"
+        return None
+
     def describe(self) -> str:
         return f"fs:{self.base_path}"

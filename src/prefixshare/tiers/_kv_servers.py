@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prefixshare.tiers._base import LegacyRemote, TierConfig, problem, read_secret
+from prefixshare.tiers._base import LegacyRemote, TierConfig, problem, read_secret, resp_ping
 
 
 def _host_port(value: str) -> str:
@@ -46,6 +46,9 @@ class RespTier(TierConfig):
 
     def legacy(self) -> LegacyRemote:
         return LegacyRemote(remote_url=f"redis://{self.host}:{self.port}")
+
+    def probe(self, timeout_s: float = 0.25) -> str | None:
+        return resp_ping(self.host, self.port, timeout_s)
 
     def describe(self) -> str:
         return f"resp:{self.host}:{self.port}"
@@ -124,6 +127,16 @@ class ValkeyTier(TierConfig):
             notes=["the in-process engine's valkey:// connector stores nothing with save_unfull_chunk; "
                    "redis:// is rendered instead"],
         )
+
+    def probe(self, timeout_s: float = 0.25) -> str | None:
+        reasons = []
+        for node in self.startup_nodes:
+            host, _, port = node.rpartition(":")
+            reason = resp_ping(host, int(port), timeout_s)
+            if reason is None:
+                return None  # a cluster answers through any node
+            reasons.append(reason)
+        return "; ".join(reasons)
 
     def describe(self) -> str:
         return f"valkey:{','.join(self.startup_nodes)}"

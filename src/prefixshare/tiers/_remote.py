@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from prefixshare.policies import parse_size
-from prefixshare.tiers._base import LegacyRemote, TierConfig, problem
+from prefixshare.tiers._base import LegacyRemote, TierConfig, problem, tcp_probe
 
 
 def _size(value: Any) -> Any:
@@ -60,6 +60,13 @@ class S3Tier(TierConfig):
             extra_config={"s3_region": self.region, "s3_num_io_threads": self.num_io_threads},
             notes=["the last, partial chunk of a prompt is not retrievable from S3: only full chunks load"],
         )
+
+    def probe(self, timeout_s: float = 0.25) -> str | None:
+        host = self.endpoint.split("/", 1)[0]
+        name, _, port = host.rpartition(":")
+        if not port.isdigit():
+            name, port = host, "80" if self.disable_tls else "443"
+        return tcp_probe(name, int(port), timeout_s)
 
     def describe(self) -> str:
         return f"s3:{self.endpoint}"
@@ -125,6 +132,10 @@ class MooncakeStoreTier(TierConfig):
                 "local_buffer_size": self.local_buffer_size,
             },
         )
+
+    def probe(self, timeout_s: float = 0.25) -> str | None:
+        host, _, port = self.master_server_address.rpartition(":")
+        return tcp_probe(host, int(port), timeout_s)
 
     def describe(self) -> str:
         return f"mooncake_store:{self.master_server_address}"

@@ -1,0 +1,151 @@
+"""Beyond one node: Valkey/Redis tiers against a real server on loopback.
+
+Two MP servers ("nodes") share one Redis: KV stored through node 1 is read through node 2, bit for bit
+(raw MP client) and by a fresh vLLM replica with the cold engine's output. The store's server is then
+killed and frozen mid-run: requests are still answered with the cold output, within a bounded delay.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import free_port, run_mp_client
+from e2e.common import document_ids, policy_for, run_replica, same_output
+from prefixshare.policy import Policy
+from prefixshare.server import LMCacheServer
+
+pytestmark = [pytest.mark.server]
+
+REDIS = shutil.which("redis-server")
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    if REDIS is None:
+        pytest.skip("redis-server is not installed (make test installs it)")
+    port = free_port()
+    proc = subprocess.Popen([REDIS, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    import socket
+
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield {"port": port, "proc": proc}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+def tier_policy(kind: str, port: int, **overrides: Any) -> Policy:
+    tier = ({"type": "resp", "host": "127.0.0.1", "port": port} if kind == "resp"
+            else {"type": "valkey", "startup_nodes": [f"127.0.0.1:{port}"], "request_timeout_s": 1.0})
+    fields: dict[str, Any] = {"chunk_size": 32, "l1": {"size_gb": 0.1}, "l2": [tier],
+                              "server": {"port": free_port(), "http_port": free_port(), "start_timeout_s": 90}}
+    fields.update(overrides)
+    return Policy.build(**fields)
+
+
+def hits(out: str) -> tuple[int, int]:
+    match = re.search(r"hit_chunks=(\d+)/(\d+)", out)
+    assert match, out
+    return int(match.group(1)), int(match.group(2))
+
+
+@pytest.mark.parametrize("kind", ["resp", "valkey"])
+def test_two_nodes_share_through_one_redis(redis: dict[str, Any], kind: str) -> None:
+    with LMCacheServer(tier_policy(kind, redis["port"])) as node1:
+        stored = run_mp_client("store", node1.url)
+        assert stored.returncode == 0 and "STORE ok = True" in stored.stdout, stored.stderr[-2000:]
+    # node 1 is gone (its memory with it): node 2 can only read what Redis holds
+    with LMCacheServer(tier_policy(kind, redis["port"])) as node2:
+        fetched = run_mp_client("fetch", node2.url)
+        assert fetched.returncode == 0 and "bytes_equal = True" in fetched.stdout, fetched.stdout + fetched.stderr[-2000:]
+        assert hits(fetched.stdout) == (4, 4)
+        assert hits(run_mp_client("lookup", node2.url, model="other/model").stdout) == (0, 4)
+
+
+@pytest.mark.engine
+def test_vllm_replicas_on_two_nodes_share_through_redis_and_survive_its_death(
+    tmp_path: Path, redis: dict[str, Any]
+) -> None:
+    from prefixshare.model import create_model
+
+    model = create_model(tmp_path / "m", shape="tiny", seed=0)
+    doc, second, third = (document_ids(model, seed, 600) for seed in (21, 22, 23))
+    cold = run_replica(tmp_path, "cold", model, None, [{"prompt_token_ids": p} for p in (doc, second, third)])
+    cold_doc, cold_second, cold_third = cold["results"]
+    policy = tier_policy("resp", redis["port"], chunk_size=64, load={"timeout_s": 2.0})
+    with LMCacheServer(policy) as node1:
+        run_replica(tmp_path, "a", model, node1.policy, [{"prompt_token_ids": doc}])
+    node2_policy = tier_policy("resp", redis["port"], chunk_size=64, load={"timeout_s": 2.0})
+    with LMCacheServer(node2_policy) as node2:
+        pid = redis["proc"].pid
+        out = run_replica(tmp_path, "b", model, node2.policy,
+                          [{"prompt_token_ids": doc}, {"prompt_token_ids": second}, {"prompt_token_ids": third}],
+                          kill_before={"1": pid})
+    b_doc, b_second, b_third = out["results"]
+    assert b_doc["num_cached_tokens"] >= 576 and same_output(b_doc, cold_doc)  # through Redis, from node 1
+    # Redis killed before the second request: answered like a cold engine, within a bounded delay
+    assert b_second["num_cached_tokens"] == 0 and same_output(b_second, cold_second)
+    assert b_second["seconds"] <= cold_second["seconds"] + 2.0 + 5.0, b_second["seconds"]
+    # and the next request does not pay the timeout again: the tier is skipped until it answers
+    assert same_output(b_third, cold_third)
+    assert b_third["seconds"] <= cold_third["seconds"] + 1.0, (b_third["seconds"], cold_third["seconds"])
+    print(f"FIGURES redis-killed: cold {cold_second['seconds']:.3f}s -> {b_second['seconds']:.3f}s, "
+          f"next {cold_third['seconds']:.3f}s -> {b_third['seconds']:.3f}s")
+
+
+@pytest.mark.engine
+def test_a_frozen_redis_costs_at_most_the_timeout(tmp_path: Path, redis: dict[str, Any]) -> None:
+    from prefixshare.model import create_model
+
+    model = create_model(tmp_path / "m", shape="tiny", seed=0)
+    first, second = (document_ids(model, seed, 600) for seed in (31, 32))
+    cold = run_replica(tmp_path, "cold", model, None, [{"prompt_token_ids": first}, {"prompt_token_ids": second}])
+    with LMCacheServer(tier_policy("resp", redis["port"], chunk_size=64, load={"timeout_s": 2.0})) as node:
+        redis["proc"].send_signal(signal.SIGSTOP)  # frozen: connections open, nothing answers
+        try:
+            out = run_replica(tmp_path, "frozen", model, node.policy,
+                              [{"prompt_token_ids": first}, {"prompt_token_ids": second}])
+        finally:
+            redis["proc"].send_signal(signal.SIGCONT)
+    for got, want in zip(out["results"], cold["results"], strict=True):
+        assert same_output(got, want) and got["num_cached_tokens"] == 0
+    assert out["results"][0]["seconds"] <= cold["results"][0]["seconds"] + 2.0 + 5.0
+    print("FIGURES redis-frozen: " + ", ".join(
+        f"cold {w['seconds']:.3f}s -> {g['seconds']:.3f}s" for g, w in zip(out["results"], cold["results"], strict=True)))
+
+
+def test_tier_probes_tell_alive_frozen_and_dead_apart(redis: dict[str, Any], tmp_path: Path) -> None:
+    """The health gate's probe: a frozen server accepts connections but never answers PING."""
+    for kind in ("resp", "valkey"):
+        tier = tier_policy(kind, redis["port"]).l2[0]
+        assert tier.probe() is None
+        redis["proc"].send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert "does not answer PING" in (tier.probe(timeout_s=0.2) or "")
+            assert time.monotonic() - started < 1.0
+        finally:
+            redis["proc"].send_signal(signal.SIGCONT)
+    redis["proc"].kill()
+    redis["proc"].wait()
+    assert tier_policy("resp", redis["port"]).l2[0].probe() is not None
+    fs = Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path)}]).l2[0]
+    assert fs.probe() is None
