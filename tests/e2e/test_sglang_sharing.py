@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from e2e.common import CHUNK, build_models, corrupt_copy, document_ids, policy_for, run_replica, same_output
+from e2e.common import CHUNK, corrupt_copy, document_ids, policy_for, run_replica, same_output
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
@@ -27,16 +27,6 @@ SGL = {"engine_type": "sglang", "timeout": 300}
 
 def req(ids: list[int], **settings: Any) -> dict[str, Any]:
     return {"prompt_token_ids": ids, "max_tokens": 12, **settings}
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("sglang")
-
-
-@pytest.fixture(scope="module")
-def models(work: Path) -> dict[str, Path]:
-    return build_models(work)
 
 
 @pytest.fixture(scope="module")

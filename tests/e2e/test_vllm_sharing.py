@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import free_port
-from e2e.common import CHUNK, LOGPROB_TOL, build_models, corrupt_copy, document_ids, policy_for, run_replica, same_output
+from e2e.common import CHUNK, LOGPROB_TOL, corrupt_copy, document_ids, policy_for, run_replica, same_output
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
@@ -29,16 +29,6 @@ DOC_TOKENS = 1100
 
 
 # --- fixtures --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("e2e")
-
-
-@pytest.fixture(scope="module")
-def models(work: Path) -> dict[str, Path]:
-    return build_models(work)
 
 
 @pytest.fixture(scope="module")

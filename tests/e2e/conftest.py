@@ -1,0 +1,19 @@
+"""Fixtures every end-to-end module shares (one instance per module: each module has its own stores)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from e2e.common import build_models
+
+
+@pytest.fixture(scope="module")
+def work(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+
+
+@pytest.fixture(scope="module")
+def models(work: Path) -> dict[str, Path]:
+    return build_models(work)
