@@ -149,3 +149,68 @@ def test_tier_probes_tell_alive_frozen_and_dead_apart(redis: dict[str, Any], tmp
     assert tier_policy("resp", redis["port"]).l2[0].probe() is not None
     fs = Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path)}]).l2[0]
     assert fs.probe() is None
+
+
+# --- S3 ----------------------------------------------------------------------------------------------------
+
+
+def _namespace_launcher(hosts: Path) -> list[str] | None:
+    """LMCache's S3 client addresses buckets by virtual host (BUCKET.host): the test server runs in a private
+    mount namespace whose /etc/hosts maps the bucket's name to loopback (the real file is untouched)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    launcher = [unshare, "--mount", "--propagation", "private", "sh", "-c",
+                f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "sh"]
+    probe = subprocess.run([*launcher, "true"], capture_output=True)
+    return launcher if probe.returncode == 0 else None
+
+
+@pytest.fixture
+def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    moto = shutil.which("moto_server") or str(Path(os.sys.executable).parent / "moto_server")
+    if not Path(moto).exists():
+        pytest.skip("moto_server is not installed (the test extra installs it)")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost kvstore.localhost\n")
+    launcher = _namespace_launcher(hosts)
+    if launcher is None:
+        pytest.skip("cannot give the test server its own /etc/hosts (unshare --mount not permitted here)")
+    port = free_port()
+    proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")  # the local server accepts any credentials
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.create_bucket(Bucket="kvstore")
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    yield {"port": port, "client": client, "launcher": launcher}
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_two_nodes_share_through_s3(s3: dict[str, Any]) -> None:
+    def policy() -> Policy:
+        return Policy.build(chunk_size=32, l1={"size_gb": 0.1},
+                            l2=[{"type": "s3", "endpoint": f"kvstore.localhost:{s3['port']}", "region": "us-east-1",
+                                 "disable_tls": True}],
+                            server={"port": free_port(), "http_port": free_port(), "start_timeout_s": 90})
+
+    with LMCacheServer(policy(), launcher=s3["launcher"]) as node1:
+        stored = run_mp_client("store", node1.url)
+        assert stored.returncode == 0 and "STORE ok = True" in stored.stdout, stored.stderr[-2000:]
+    keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket="kvstore").get("Contents", [])]
+    assert len(keys) == 4  # 128 tokens in full 32-token chunks: one object each
+    with LMCacheServer(policy(), launcher=s3["launcher"]) as node2:  # empty L1: only the bucket has the bytes
+        fetched = run_mp_client("fetch", node2.url)
+        assert fetched.returncode == 0 and "bytes_equal = True" in fetched.stdout, fetched.stdout + fetched.stderr[-2000:]
+        assert hits(run_mp_client("lookup", node2.url, model="other/model").stdout) == (0, 4)

@@ -67,9 +67,13 @@ class LMCacheServer:
     in its own session so it outlives this process (``prefixshare server start``).
     """
 
-    def __init__(self, policy: Policy, *, log_path: Path | None = None, detach: bool = False) -> None:
+    def __init__(self, policy: Policy, *, log_path: Path | None = None, detach: bool = False,
+                 launcher: list[str] | None = None) -> None:
         self.policy = policy
         self.detach = detach
+        #: commands placed before the server's own argv, e.g. ["numactl", "--cpunodebind=0"] or a namespace
+        #: wrapper; the server must still be the process they exec
+        self.launcher = list(launcher or [])
         self.log_path = log_path or run_dir() / f"server-{policy.server.port}.log"
         self.state_path = run_dir() / f"server-{policy.server.port}.json"
         self.process: subprocess.Popen[bytes] | None = None
@@ -158,7 +162,7 @@ class LMCacheServer:
         for tier in self.policy.l2:
             require_client(tier)
             tier.prepare()
-        argv = server_argv(self.policy)
+        argv = self.launcher + server_argv(self.policy)
         env = {**os.environ, **server_env(self.policy)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
