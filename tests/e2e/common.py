@@ -35,6 +35,7 @@ def run_replica(tmp: Path, name: str, model: Path, policy: Policy | None, reques
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, f"replica {name} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     result = json.loads(line[len("RESULT "):])
+    (tmp / f"{name}.result.json").write_text(json.dumps(result, indent=1))
     events = []
     for ln in (proc.stderr + proc.stdout).splitlines():
         start = ln.find("{")
