@@ -43,8 +43,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -ra -m "not engine" $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(VENV)/bin/prefixshare plan qwen3-8b --tokens 1024,4096,16384 --link 10GbE --link 100GbE --prefill-rate 8000
-	$(VENV)/bin/prefixshare plan bench --tokens 1024,2048,4096,8192 --link 10GbE --prefill-rate 500
+	$(VENV)/bin/prefixshare demo
 
 # Regenerate the lock from the current venv (run after changing dependencies, then commit it).
 lock:

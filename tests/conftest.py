@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,9 @@ sys.path.insert(0, str(TESTS))  # `helpers` is importable from every test module
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Session-wide: module-scoped fixtures (servers, replicas) run before function-scoped ones, and nothing a
+# test starts may write into the user's ~/.cache/prefixshare.
+os.environ["PREFIXSHARE_CACHE_DIR"] = tempfile.mkdtemp(prefix="prefixshare-test-cache-")
 
 
 def free_port() -> int:

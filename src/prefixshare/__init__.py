@@ -31,6 +31,9 @@ _EXPORTS: dict[str, str] = {
     "ByteBudget": "prefixshare.policies",
     "TenantAllow": "prefixshare.policies",
     "plan": "prefixshare.plan",
+    "warm": "prefixshare.warm",
+    "prompt_for": "prefixshare.warm",
+    "Template": "prefixshare.warm",
     "PrefixShareError": "prefixshare.errors",
     "PolicyError": "prefixshare.errors",
     "IncompatibleError": "prefixshare.errors",
@@ -43,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from prefixshare.errors import IncompatibleError, PolicyError, PrefixShareError, ServerError
     from prefixshare.fingerprint import EngineSettings, Fingerprint, compute_fingerprint, diff
     from prefixshare.plan import plan
+    from prefixshare.warm import Template, prompt_for, warm
     from prefixshare.policies import TTL, AdmissionRequest, ByteBudget, Frequency, MinTokens, Pinned, TenantAllow
     from prefixshare.adapters import PrefixShare
     from prefixshare.policy import Policy

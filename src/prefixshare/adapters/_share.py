@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,15 @@ class PrefixShare:
         self.log.info("engine.attached", engine=kind)
         return llm
 
+    # --- documents (facade: warm builds on this class; it is resolved at call time, not imported) ------
+    def warm(self, docs: Any, engine: Any = None, **kwargs: Any) -> Any:
+        """Prefill documents once so every replica starts hot; see :func:`prefixshare.warm.warm`."""
+        return importlib.import_module("prefixshare.warm").warm(self, docs, engine, **kwargs)
+
+    def prompt_for(self, doc: Any, question: str, **kwargs: Any) -> Any:
+        """A prompt whose document prefix is bit for bit the warmed one; see :func:`prefixshare.warm.prompt_for`."""
+        return importlib.import_module("prefixshare.warm").prompt_for(self, doc, question, **kwargs)
+
     # --- observability -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters of every engine attached under this instance (hits, tokens, bytes, latencies, refusals)."""
@@ -114,7 +124,9 @@ class PrefixShare:
     # --- lifecycle -------------------------------------------------------------------------------------
     def close(self) -> None:
         for engine in self.engines:
-            shutdown = getattr(getattr(engine, "llm_engine", None), "shutdown", None) or getattr(engine, "shutdown", None)
+            # vLLM: LLM -> llm_engine -> engine_core (the LLMEngine itself has no shutdown); SGLang: Engine.shutdown
+            core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+            shutdown = getattr(core, "shutdown", None) or getattr(engine, "shutdown", None)
             if callable(shutdown):
                 try:
                     shutdown()

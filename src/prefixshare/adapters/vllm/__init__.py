@@ -18,8 +18,8 @@ from prefixshare.policy import Policy
 
 CONNECTOR = "PrefixShareConnector"
 CONNECTOR_MODULE = "prefixshare.adapters.vllm._connector"
-#: env our adapters set for vLLM: offline model files; LMCache usage reports off
-ENGINE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
+#: env our adapters set for vLLM: usage reports of LMCache and vLLM off
+ENGINE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "VLLM_NO_USAGE_STATS": "1"}
 
 
 def kv_transfer_config(policy: Policy, *, instance: str, policy_file: str | None = None) -> dict[str, Any]:

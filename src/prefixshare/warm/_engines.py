@@ -1,0 +1,174 @@
+"""The seam between warming and an inference engine: tokenizer, context length, fingerprint, prefill.
+
+:class:`WarmEngine` is all :func:`~prefixshare.warm.warm` and :func:`~prefixshare.warm.prompt_for` need.
+:class:`VllmEngine` implements it for a ``vllm.LLM`` attached through :meth:`PrefixShare.attach`; another
+engine (SGLang) plugs in by implementing the same five members and registering in :func:`engine_for`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from prefixshare._log import get_logger
+from prefixshare.errors import PrefixShareError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prefixshare.adapters import PrefixShare
+    from prefixshare.fingerprint import Fingerprint
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Prefill ``token_ids`` and store their KV (nothing is decoded beyond the one token prefill yields)."""
+
+    token_ids: list[int]
+    kv_transfer_params: dict[str, Any]
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    #: prompt tokens the engine did not compute (loaded from the store or its local prefix cache)
+    cached_tokens: int
+
+
+@runtime_checkable
+class WarmEngine(Protocol):
+    """What warming needs from an engine."""
+
+    kind: str
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def fingerprint(self) -> Fingerprint: ...
+
+    def kv_bytes_per_token(self) -> int: ...
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[PrefillResult]: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+
+class VllmEngine:
+    """A running ``vllm.LLM`` with prefixshare's connector."""
+
+    kind = "vllm"
+
+    def __init__(self, ps: PrefixShare, llm: Any) -> None:
+        from prefixshare.adapters.vllm import CONNECTOR
+
+        cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+        kt = getattr(cfg, "kv_transfer_config", None)
+        if kt is None or getattr(kt, "kv_connector", None) != CONNECTOR:
+            raise PrefixShareError(
+                "this vllm.LLM was not started by PrefixShare.attach (its KV connector is not prefixshare's): "
+                "warming it would store nothing; start it with ps.attach(...)"
+            )
+        self.ps = ps
+        self.llm = llm
+        self.vllm_config = cfg
+        self._fp: Fingerprint | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.vllm_config.model_config.max_model_len)
+
+    def model_dir(self) -> str:
+        from prefixshare.adapters.vllm._settings import model_dirs
+
+        return model_dirs(self.vllm_config)[0]
+
+    def fingerprint(self) -> Fingerprint:
+        """The fingerprint the engine's connector namespaces the store with (computed the same way)."""
+        if self._fp is None:
+            from prefixshare.adapters.vllm._settings import engine_settings, model_dirs
+            from prefixshare.fingerprint import compute_fingerprint
+
+            policy = self.ps.policy
+            model_dir, tok_dir = model_dirs(self.vllm_config)
+            settings = engine_settings(self.vllm_config).model_copy(
+                update={"chunk_size": policy.chunk_size, "tenant": policy.tenant})
+            self._fp = compute_fingerprint(model_dir, settings, weights=policy.fingerprint.weights,
+                                           revision=policy.fingerprint.revision, tokenizer_dir=tok_dir)
+            published = self.ps.stats().get("fingerprint")
+            if published and published != self._fp.digest:
+                get_logger(__name__).warning(
+                    "warm.fingerprint_mismatch", computed=self._fp.short, connector=str(published)[:12],
+                    message="the connector published another fingerprint than warm computed; verification "
+                            "may report missing chunks")
+        return self._fp
+
+    def kv_bytes_per_token(self) -> int:
+        from prefixshare.plan import kv_bytes_per_token, shape_from_config
+
+        config = Path(self.model_dir()) / "config.json"
+        return kv_bytes_per_token(shape_from_config(config), self.fingerprint().engine.kv_dtype)
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[PrefillResult]:
+        import vllm
+
+        prompts: list[Any] = []
+        params = []
+        for req in requests:
+            prompt: dict[str, Any] = {"prompt_token_ids": list(req.token_ids)}
+            if req.cache_salt:
+                prompt["cache_salt"] = req.cache_salt
+            prompts.append(prompt)
+            # max_tokens=1: a prefill yields its first token anyway; nothing more is decoded
+            params.append(vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                              extra_args={"kv_transfer_params": dict(req.kv_transfer_params)}))
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [PrefillResult(int(out.num_cached_tokens or 0)) for out in outputs]
+
+    def reset_prefix_cache(self) -> None:
+        reset_vllm_prefix_cache(self.llm)
+
+
+def reset_vllm_prefix_cache(llm: Any, timeout_s: float = 10.0) -> bool:
+    """Empty a ``vllm.LLM``'s local prefix cache, so the next prompts are computed or loaded from the store.
+
+    vLLM refuses the reset while blocks are held, and a KV connector holds a finished request's blocks until
+    its store completes, which the engine learns on its next step: step it (no new request) until the reset
+    succeeds.
+    """
+    reset = getattr(llm, "reset_prefix_cache", None)
+    if not callable(reset):
+        return False
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if reset() is not False:
+            return True
+        if time.monotonic() > deadline:
+            get_logger(__name__).warning("warm.reset_prefix_cache_failed", timeout_s=timeout_s)
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.01)
+
+
+def engine_for(ps: PrefixShare, engine: Any = None) -> WarmEngine:
+    """The :class:`WarmEngine` for ``engine`` (default: the engine attached last to ``ps``)."""
+    if engine is None:
+        if not ps.engines:
+            raise PrefixShareError("no engine to warm with: attach one first (llm = ps.attach(...)) or pass it")
+        engine = ps.engines[-1]
+    if isinstance(engine, WarmEngine) and not type(engine).__module__.startswith(("vllm", "sglang")):
+        return engine
+    module = type(engine).__module__.split(".")[0]
+    if module == "vllm":
+        return VllmEngine(ps, engine)
+    if module == "sglang":
+        raise PrefixShareError("warming SGLang engines is not supported yet (KV layouts differ between engines, "
+                               "so a vLLM warm does not serve SGLang replicas); implement "
+                               "prefixshare.warm.WarmEngine for it and pass that object")
+    raise PrefixShareError(f"cannot warm with {type(engine).__name__}: pass the vllm.LLM returned by ps.attach")

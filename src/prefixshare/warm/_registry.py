@@ -1,0 +1,211 @@
+"""The document registry: which documents are warm in a store, under which fingerprint.
+
+One JSON file per document and fingerprint, beside the store's manifests::
+
+    <store>/.prefixshare/documents/<fingerprint digest>/<safe id>.json
+
+``<safe id>`` is the document id itself when it is a plain file name (letters, digits, ``.``, ``_``,
+``-``; starting with a letter or digit; at most 100 characters); any other id (``guide/intro.md``,
+``../etc``, ``manual#2``) is stored under ``_<blake3 of the id>.json`` and kept verbatim inside the JSON,
+so no id can name a path outside the registry. Files are written atomically with mode 0o640 in
+directories of mode 0o750. Only JSON is ever read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from prefixshare.errors import PrefixShareError
+
+REGISTRY_DIR = ".prefixshare/documents"
+RECORD_FORMAT = "prefixshare-document/1"
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_DIGEST = re.compile(r"^[0-9a-f]{8,64}$")
+_MAX_RECORD_BYTES = 16 * 1024 * 1024
+
+
+class RegistryError(PrefixShareError, ValueError):
+    """A registry path or record is invalid."""
+
+
+class DocumentRecord(BaseModel):
+    """What the registry records about one warmed document."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    format: str = RECORD_FORMAT
+    id: str
+    source: str | None = None
+    content_hash: str | None = None
+    text_hash: str
+    template_digest: str
+    prefix_digest: str
+    tokens: int = Field(description="prefix tokens (template + document)")
+    chunk_tokens: int = Field(description="tokens in full chunks: what the store holds")
+    chunk_size: int
+    chunks: int
+    chunk_hashes: list[str]
+    #: (kv_rank, object_group) of every object of each chunk
+    objects: list[tuple[int, int]] = Field(default_factory=list)
+    salt: str = ""
+    tenant: str | None = None
+    bytes: int
+    fingerprint: str
+    namespace: str
+    model: str | None = None
+    engine: str | None = None
+    warmed_at: str
+    host: str
+    seconds: float | None = None
+    prefixshare_version: str | None = None
+
+    def chunk_files(self) -> list[str]:
+        from prefixshare.warm._chunks import chunk_file_name
+
+        return [chunk_file_name(self.namespace, rank, group, h, self.salt)
+                for h in self.chunk_hashes for rank, group in self.objects]
+
+
+def safe_name(doc_id: str) -> str:
+    """The registry file name (without ``.json``) of a document id: the id when safe, else a digest."""
+    if _SAFE_NAME.match(doc_id) and ".." not in doc_id:
+        return doc_id
+    return "_" + blake3.blake3(doc_id.encode("utf-8")).hexdigest()[:40]
+
+
+def _make_dirs(directory: Path, stop: Path) -> None:
+    """Create ``directory`` (and parents up to ``stop``) with mode 0o750 whatever the umask."""
+    missing: list[Path] = []
+    current = directory
+    while not current.exists() and current != stop.parent:
+        missing.append(current)
+        current = current.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            continue
+        os.chmod(path, DIR_MODE)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any], *, root: Path) -> None:
+    _make_dirs(path.parent, root)
+    fd, tmp = tempfile.mkstemp(prefix=".rec-", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class CorruptRecord:
+    path: str
+    reason: str
+
+
+@dataclass
+class RecordList:
+    records: list[DocumentRecord] = field(default_factory=list)
+    corrupt: list[CorruptRecord] = field(default_factory=list)
+    #: record id -> file it was read from
+    paths: dict[tuple[str, str], Path] = field(default_factory=dict)
+
+
+class Registry:
+    """The registry of one store (``root`` is the store directory)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.base = self.root / REGISTRY_DIR
+
+    def _dir(self, fingerprint: str) -> Path:
+        if not _DIGEST.match(fingerprint):
+            raise RegistryError(f"not a fingerprint digest: {fingerprint!r}")
+        return self.base / fingerprint
+
+    def path(self, fingerprint: str, doc_id: str) -> Path:
+        path = self._dir(fingerprint) / f"{safe_name(doc_id)}.json"
+        # defence in depth: whatever safe_name returns stays inside the registry
+        if path.resolve().parent != self._dir(fingerprint).resolve():
+            raise RegistryError(f"document id {doc_id!r} maps outside the registry")
+        return path
+
+    def get(self, fingerprint: str, doc_id: str) -> DocumentRecord | None:
+        path = self.path(fingerprint, doc_id)
+        try:
+            record = self._load(path)
+        except (FileNotFoundError, RegistryError):
+            return None
+        return record if record.id == doc_id and record.fingerprint == fingerprint else None
+
+    def put(self, record: DocumentRecord) -> Path:
+        path = self.path(record.fingerprint, record.id)
+        write_json_atomic(path, record.model_dump(mode="json"), root=self.root)
+        return path
+
+    def remove(self, fingerprint: str, doc_id: str) -> bool:
+        path = self.path(fingerprint, doc_id)
+        try:
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _load(self, path: Path) -> DocumentRecord:
+        if path.stat().st_size > _MAX_RECORD_BYTES:
+            raise RegistryError(f"{path} is too large")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RegistryError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict) or raw.get("format") != RECORD_FORMAT:
+            raise RegistryError(f"{path} is not a prefixshare document record")
+        try:
+            record = DocumentRecord.model_validate(raw)
+        except ValidationError as exc:
+            raise RegistryError(f"{path} is malformed: {exc.errors()[0]['msg']}") from None
+        if path.name != f"{safe_name(record.id)}.json" or path.parent.name != record.fingerprint:
+            raise RegistryError(f"{path} records document {record.id!r} of {record.fingerprint[:12]}, "
+                                "which belongs under another name")
+        return record
+
+    def fingerprints(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.base.iterdir() if p.is_dir() and _DIGEST.match(p.name))
+        except FileNotFoundError:
+            return []
+
+    def records(self, fingerprint: str | None = None) -> RecordList:
+        """Every record (of one fingerprint, or all), with the unreadable ones listed apart."""
+        out = RecordList()
+        for fp in [fingerprint] if fingerprint else self.fingerprints():
+            directory = self._dir(fp)
+            try:
+                paths = sorted(directory.glob("*.json"))
+            except FileNotFoundError:
+                continue
+            for path in paths:
+                try:
+                    record = self._load(path)
+                except (OSError, RegistryError) as exc:
+                    out.corrupt.append(CorruptRecord(str(path), str(exc)))
+                    continue
+                out.records.append(record)
+                out.paths[(record.fingerprint, record.id)] = path
+        return out

@@ -1,0 +1,537 @@
+"""``warm``: prefill documents once so every replica loads them; ``prompt_for``: prompts that hit them."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import blake3
+
+from prefixshare import __version__, _metrics
+from prefixshare._log import get_logger
+from prefixshare.adapters._runtime import REQ_DOCUMENT, REQ_PREFIX_TOKENS, REQ_TENANT, namespace, tenant_salt
+from prefixshare.errors import PrefixShareError
+from prefixshare.warm._chunks import ChunkHasher, NamespaceIndex, store_dirs, store_root
+from prefixshare.warm._documents import Document, DocumentError, _from_string, _pair, resolve_documents, split_text
+from prefixshare.warm._engines import PrefillRequest, VllmEngine, WarmEngine, engine_for
+from prefixshare.warm._registry import DocumentRecord, Registry
+from prefixshare.warm._template import Template, as_template, prefix_ids, question_ids, tokens_digest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prefixshare.adapters import PrefixShare
+
+#: tokens per engine call when warming many documents (progress is reported after each call)
+DEFAULT_BATCH_TOKENS = 16384
+DEFAULT_VERIFY_TIMEOUT_S = 30.0
+
+WARMED, SKIPPED, TOO_SHORT, REFUSED, FAILED = "warmed", "skipped", "too_short", "refused", "failed"
+
+
+class WarmError(PrefixShareError):
+    """Some documents were not warmed (refused by admission, or chunks missing after the prefill)."""
+
+    def __init__(self, message: str, report: WarmReport | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class DocumentTooLongError(DocumentError):
+    """A document (with its template) does not fit the engine's context; nothing was warmed."""
+
+    def __init__(self, too_long: list[tuple[str, int]], limit: int, max_model_len: int) -> None:
+        self.too_long, self.limit, self.max_model_len = too_long, limit, max_model_len
+        listed = ", ".join(f"{doc_id!r} ({n:,} tokens)" for doc_id, n in too_long)
+        super().__init__(
+            f"{len(too_long)} document{'s' if len(too_long) != 1 else ''} longer than the engine's context "
+            f"allows ({limit:,} prefix tokens with max_model_len {max_model_len:,}): {listed}. Nothing was "
+            "warmed; raise the engine's max_model_len (--max-model-len), or split them explicitly with "
+            "split=True (--split: each part becomes its own document 'ID#N')"
+        )
+
+
+@dataclass
+class DocumentResult:
+    """What warm did with one document."""
+
+    id: str
+    status: str
+    tokens: int
+    chunk_tokens: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    source: str | None = None
+    seconds: float | None = None
+    #: prompt tokens the prefill did not compute (already in the store or the engine's prefix cache)
+    cached_tokens: int = 0
+    verified: bool | None = None
+    reason: str = ""
+    part_of: str | None = None
+
+
+@dataclass
+class WarmReport:
+    """The outcome of one :func:`warm` call."""
+
+    namespace: str
+    fingerprint: str
+    engine: str
+    chunk_size: int
+    store: str | None
+    documents: list[DocumentResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def _with(self, *statuses: str) -> list[DocumentResult]:
+        return [d for d in self.documents if d.status in statuses]
+
+    @property
+    def warmed(self) -> list[DocumentResult]:
+        return self._with(WARMED)
+
+    @property
+    def skipped(self) -> list[DocumentResult]:
+        return self._with(SKIPPED)
+
+    @property
+    def failed(self) -> list[DocumentResult]:
+        """Documents that are not warm although they could be (refused by admission, chunks missing)."""
+        return self._with(REFUSED, FAILED)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def totals(self) -> dict[str, int]:
+        return {
+            "documents": len(self.documents),
+            "warmed": len(self.warmed),
+            "skipped": len(self.skipped),
+            "too_short": len(self._with(TOO_SHORT)),
+            "failed": len(self.failed),
+            "tokens": sum(d.tokens for d in self.documents),
+            "warmed_tokens": sum(d.chunk_tokens for d in self.warmed),
+            "warmed_bytes": sum(d.bytes for d in self.warmed),
+            "stored_bytes": sum(d.bytes for d in self._with(WARMED, SKIPPED)),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"namespace": self.namespace, "fingerprint": self.fingerprint, "engine": self.engine,
+                "chunk_size": self.chunk_size, "store": self.store, "seconds": round(self.seconds, 3),
+                "ok": self.ok, "totals": self.totals(), "documents": [asdict(d) for d in self.documents]}
+
+
+@dataclass(frozen=True)
+class WarmProgress:
+    """Reported to ``progress`` after planning, after each engine call and at the end."""
+
+    phase: str  # "plan", "prefill", "verify", "done"
+    documents_done: int
+    documents_total: int
+    tokens_done: int
+    tokens_total: int
+    bytes_done: int
+    bytes_total: int
+    current: str | None = None
+
+
+@dataclass
+class _Planned:
+    doc: Document
+    ids: list[int]
+    part_of: str | None = None
+    hashes: list[str] = field(default_factory=list)
+    result: DocumentResult | None = None
+
+
+# --- salts and digests the connector computes (kept equal by tests/test_warm.py) ---------------------------
+
+
+def expected_salt(tenant: str | None, cache_salt: str | None = None) -> str:
+    """The cache salt the connector gives a request with this tenant and request salt (the file suffix)."""
+    parts = [tenant_salt(tenant)] if tenant else []
+    if cache_salt:
+        parts.append(cache_salt)
+    if not parts:
+        return cache_salt or ""
+    salt = "-".join(parts)
+    if len(salt) <= 128 and "@" not in salt and "/" not in salt:
+        return salt
+    return "s-" + blake3.blake3(salt.encode()).hexdigest()[:40]
+
+
+def _admission_digest(ids: list[int], chunk_size: int) -> str | None:
+    aligned = len(ids) - len(ids) % chunk_size
+    return blake3.blake3(json.dumps(list(ids[:aligned])).encode()).hexdigest()[:32] if aligned else None
+
+
+def _params(doc_id: str, prefix_tokens: int, tenant: str | None) -> dict[str, Any]:
+    params: dict[str, Any] = {REQ_DOCUMENT: doc_id, REQ_PREFIX_TOKENS: prefix_tokens}
+    if tenant:
+        params[REQ_TENANT] = tenant
+    return params
+
+
+# --- the engine wrapper is cached per attached engine (its fingerprint is computed once) ----------------------
+
+
+def _engine(ps: PrefixShare, engine: Any) -> WarmEngine:
+    if engine is not None and not type(engine).__module__.startswith(("vllm", "sglang")):
+        return engine_for(ps, engine)
+    target = engine if engine is not None else (ps.engines[-1] if ps.engines else None)
+    cache: dict[int, WarmEngine] = ps.__dict__.setdefault("_prefixshare_warm_engines", {})
+    key = id(target)
+    cached = cache.get(key)
+    if cached is None or (isinstance(cached, VllmEngine) and cached.llm is not target):
+        cached = engine_for(ps, target)
+        cache[key] = cached
+    return cached
+
+
+# --- warm ---------------------------------------------------------------------------------------------------
+
+
+def warm(
+    ps: PrefixShare,
+    docs: Any,
+    engine: Any = None,
+    *,
+    prefix: Template | str | None = None,
+    force: bool = False,
+    tenant: str | None = None,
+    cache_salt: str | None = None,
+    split: bool = False,
+    reserve_tokens: int = 0,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    verify: bool = True,
+    verify_timeout_s: float = DEFAULT_VERIFY_TIMEOUT_S,
+    strict: bool = True,
+    progress: Callable[[WarmProgress], None] | None = None,
+) -> WarmReport:
+    """Prefill ``docs`` once on ``engine`` so that every replica with the same fingerprint loads them.
+
+    ``docs``: paths, folders, globs, ``(id, text)`` / ``(id, Path)`` pairs, a dict ``{id: text}`` or
+    :class:`Document` objects. ``prefix``: where documents sit in later prompts (a :class:`Template`, a string
+    holding ``{document}``, or None for the document alone); build those prompts with :func:`prompt_for`.
+
+    Only the prefix is prefilled (one generated token, discarded) and stored (``prefixshare.prefix_tokens``).
+    Documents whose every chunk is already in the store under this fingerprint are skipped unless ``force``.
+    Afterwards the store's directory tier is checked for every chunk, and each document is recorded in the
+    store's registry. A document longer than the context (``max_model_len - max(reserve_tokens, 1)``) raises
+    :class:`DocumentTooLongError` before anything is warmed, unless ``split=True``.
+
+    Returns a :class:`WarmReport`; with ``strict`` (default) raises :class:`WarmError` (carrying the report)
+    when a document could not be warmed.
+    """
+    started = time.monotonic()
+    run = uuid.uuid4().hex[:8]
+    log = get_logger(__name__, run=run)
+    eng = _engine(ps, engine)
+    policy = ps.policy
+    tokenizer = eng.tokenizer
+    template = as_template(prefix).resolve(tokenizer)
+    documents = resolve_documents(docs)
+    limit = eng.max_model_len - max(int(reserve_tokens), 1)
+
+    # 1. tokenize every document before any engine work, so a too-long one stops everything
+    planned: list[_Planned] = []
+    too_long: list[tuple[str, int]] = []
+    for doc in documents:
+        ids = prefix_ids(tokenizer, template, doc.text)
+        if len(ids) <= limit:
+            planned.append(_Planned(doc, ids))
+        elif split:
+            parts = split_text(doc.text, lambda text: len(prefix_ids(tokenizer, template, text)) <= limit)
+            for i, part in enumerate(parts, 1):
+                sub = Document(f"{doc.id}#{i}", part, doc.source, doc.content_hash)
+                planned.append(_Planned(sub, prefix_ids(tokenizer, template, part), part_of=doc.id))
+        else:
+            too_long.append((doc.id, len(ids)))
+    if too_long:
+        raise DocumentTooLongError(too_long, limit, eng.max_model_len)
+
+    fp = eng.fingerprint()
+    ns = namespace(fp)
+    root = store_root(policy)
+    dirs = store_dirs(policy)
+    registry = Registry(root) if root is not None else None
+    salt = expected_salt(tenant, cache_salt)
+    hasher = ChunkHasher(policy.chunk_size, policy.server.hash_algorithm)
+    kv_per_token = eng.kv_bytes_per_token()
+    rule = policy.admission_rule()
+    index = NamespaceIndex.scan(dirs, ns) if dirs else None
+    report = WarmReport(ns, fp.digest, eng.kind, policy.chunk_size, str(root) if root else None)
+    log.info("warm.start", documents=len(planned), namespace=ns, store=report.store, force=force)
+
+    # 2. what is already there, what admission refuses, what must be prefilled
+    todo: list[_Planned] = []
+    for item in planned:
+        doc, ids = item.doc, item.ids
+        item.hashes = hasher.hashes(ids)
+        chunk_tokens = len(item.hashes) * policy.chunk_size
+        result = DocumentResult(doc.id, WARMED, len(ids), chunk_tokens, len(item.hashes),
+                                chunk_tokens * kv_per_token, doc.source, part_of=item.part_of)
+        item.result = result
+        report.documents.append(result)
+        if not item.hashes:
+            result.status = TOO_SHORT
+            result.reason = (f"{len(ids)} tokens is less than one chunk ({policy.chunk_size}); "
+                             "nothing of it can be stored or shared")
+            continue
+        if not force:
+            present = _present(index, registry, fp.digest, item, salt)
+            if present is not None:
+                result.status, result.verified = SKIPPED, present
+                result.reason = "already in the store"
+                if index is not None:
+                    result.bytes = index.bytes_of(item.hashes, salt) or result.bytes
+                continue
+        if rule is not None:
+            from prefixshare.policies import AdmissionRequest
+
+            decision = rule(AdmissionRequest(prompt_tokens=len(ids), document_id=doc.id, tenant=tenant,
+                                             prefix_digest=_admission_digest(ids, policy.chunk_size),
+                                             kv_bytes=chunk_tokens * kv_per_token))
+            if not decision.admit:
+                result.status = REFUSED
+                result.reason = (f"the policy's admission rules refuse it ({decision.reason}); pin it to warm it: "
+                                 f"admission: {{any: [pinned: [{doc.id!r}]], ...}}")
+                continue
+        todo.append(item)
+
+    tokens_total = sum(len(i.ids) for i in todo)
+    bytes_total = sum(i.result.bytes for i in todo if i.result)
+    done = {"documents": 0, "tokens": 0, "bytes": 0}
+
+    def report_progress(phase: str, current: str | None = None) -> None:
+        _metrics.warm_progress(done["documents"], done["tokens"], done["bytes"], run=run, engine=eng.kind,
+                               total_tokens=tokens_total, finished=phase == "done")
+        if progress is not None:
+            progress(WarmProgress(phase, done["documents"], len(todo), done["tokens"], tokens_total,
+                                  done["bytes"], bytes_total, current))
+
+    report_progress("plan")
+
+    # 3. prefill in batches of about batch_tokens tokens
+    if todo and force:
+        eng.reset_prefix_cache()  # a forced warm must compute (and store) again, not hit its own cache
+    for batch in _batches(todo, batch_tokens):
+        t0 = time.monotonic()
+        requests = [PrefillRequest(i.ids, _params(i.doc.id, len(i.ids), tenant), cache_salt) for i in batch]
+        results = eng.prefill(requests)
+        seconds = time.monotonic() - t0
+        batch_tokens_n = sum(len(i.ids) for i in batch) or 1
+        for item, res in zip(batch, results, strict=True):
+            assert item.result is not None
+            item.result.cached_tokens = res.cached_tokens
+            item.result.seconds = round(seconds * len(item.ids) / batch_tokens_n, 4)
+            done["documents"] += 1
+            done["tokens"] += len(item.ids)
+            done["bytes"] += item.result.bytes
+        report_progress("prefill", batch[-1].doc.id)
+
+    # 4. verify that the store holds every chunk (directory tiers), then record
+    if todo and verify and dirs:
+        report_progress("verify")
+        index = _wait_for_chunks(dirs, ns, todo, salt, verify_timeout_s)
+        for item in todo:
+            assert item.result is not None
+            missing = index.missing(item.hashes, salt)
+            if missing:
+                item.result.status = FAILED
+                item.result.verified = False
+                item.result.reason = (
+                    f"{len(missing)} of {len(item.hashes)} chunks are not in the store after "
+                    f"{verify_timeout_s:g} s; check the server log ({ps.server.log_path}) and ps.stats()")
+            else:
+                item.result.verified = True
+                item.result.bytes = index.bytes_of(item.hashes, salt) or item.result.bytes
+    elif todo and verify:
+        for item in todo:
+            assert item.result is not None
+            item.result.reason = "not verified: the policy has no directory (fs) tier to check"
+
+    if registry is not None:
+        model = getattr(eng, "model_dir", None)
+        model_dir = model() if callable(model) else None
+        objects = sorted(index.expected_objects()) if index is not None else []
+        for item in planned:
+            res = item.result
+            if res is None or res.status not in (WARMED, SKIPPED):
+                continue
+            existing = registry.get(fp.digest, item.doc.id)
+            if res.status == SKIPPED and existing is not None and existing.prefix_digest == tokens_digest(item.ids):
+                continue
+            registry.put(_record(item, res, fp.digest, ns, policy.chunk_size, objects, salt, tenant, template,
+                                 model_dir, eng.kind))
+
+    report.seconds = time.monotonic() - started
+    report_progress("done")
+    totals = report.totals()
+    log.info("warm.done", seconds=round(report.seconds, 2), **totals)
+    if strict and report.failed:
+        lines = "; ".join(f"{d.id}: {d.reason}" for d in report.failed)
+        raise WarmError(f"{len(report.failed)} of {len(report.documents)} documents were not warmed: {lines}", report)
+    return report
+
+
+def _present(index: NamespaceIndex | None, registry: Registry | None, fingerprint: str, item: _Planned,
+             salt: str) -> bool | None:
+    """True: every chunk is in the directory tier; None: not (known to be) present. Without a directory
+    tier, a registry record of the same prefix counts (False: present by the registry, unverified)."""
+    if index is not None:
+        return True if not index.missing(item.hashes, salt) else None
+    if registry is not None:
+        record = registry.get(fingerprint, item.doc.id)
+        if record is not None and record.prefix_digest == tokens_digest(item.ids) and record.salt == salt:
+            return False
+    return None
+
+
+def _batches(items: list[_Planned], budget: int) -> list[list[_Planned]]:
+    batches: list[list[_Planned]] = []
+    current: list[_Planned] = []
+    size = 0
+    for item in items:
+        if current and size + len(item.ids) > budget:
+            batches.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += len(item.ids)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _wait_for_chunks(dirs: list[Path], ns: str, items: list[_Planned], salt: str, timeout_s: float) -> NamespaceIndex:
+    """Scan the namespace until every chunk of ``items`` is there (the server writes L2 asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        index = NamespaceIndex.scan(dirs, ns)
+        if all(not index.missing(i.hashes, salt) for i in items) or time.monotonic() >= deadline:
+            return index
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+def _record(item: _Planned, res: DocumentResult, fingerprint: str, ns: str, chunk_size: int,
+            objects: list[tuple[int, int]], salt: str, tenant: str | None, template: Template,
+            model_dir: str | None, engine: str) -> DocumentRecord:
+    return DocumentRecord(
+        id=item.doc.id, source=item.doc.source, content_hash=item.doc.content_hash, text_hash=item.doc.text_hash,
+        template_digest=template.digest, prefix_digest=tokens_digest(item.ids), tokens=len(item.ids),
+        chunk_tokens=len(item.hashes) * chunk_size, chunk_size=chunk_size, chunks=len(item.hashes),
+        chunk_hashes=item.hashes, objects=objects, salt=salt, tenant=tenant, bytes=res.bytes,
+        fingerprint=fingerprint, namespace=ns, model=model_dir, engine=engine,
+        warmed_at=datetime.now(UTC).isoformat(timespec="seconds"), host=socket.gethostname(),
+        seconds=res.seconds, prefixshare_version=__version__,
+    )
+
+
+# --- prompts ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt whose first ``prefix_tokens`` token ids are exactly the warmed prefix of ``document_id``.
+
+    vLLM: ``llm.generate([p.engine_input()], SamplingParams(..., extra_args={"kv_transfer_params":
+    p.kv_transfer_params}))``; over HTTP send ``prompt=p.token_ids`` and ``kv_transfer_params``.
+    """
+
+    token_ids: list[int]
+    prefix_tokens: int
+    document_id: str
+    tenant: str | None = None
+    cache_salt: str | None = None
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any]:
+        """Per-request keys: the document id, and store only the prefix (not the question)."""
+        return _params(self.document_id, self.prefix_tokens, self.tenant)
+
+    def engine_input(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_token_ids": list(self.token_ids)}
+        if self.cache_salt:
+            out["cache_salt"] = self.cache_salt
+        return out
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+_PREFIX_CACHE: OrderedDict[tuple[int, str, str], list[int]] = OrderedDict()
+_PREFIX_CACHE_SIZE = 32
+
+
+def _cached_prefix(tokenizer: Any, template: Template, doc: Document) -> list[int]:
+    key = (id(tokenizer), template.digest + template.prefix, doc.text_hash)
+    ids = _PREFIX_CACHE.get(key)
+    if ids is None:
+        ids = prefix_ids(tokenizer, template, doc.text)
+        _PREFIX_CACHE[key] = ids
+        while len(_PREFIX_CACHE) > _PREFIX_CACHE_SIZE:
+            _PREFIX_CACHE.popitem(last=False)
+    else:
+        _PREFIX_CACHE.move_to_end(key)
+    return ids
+
+
+def _resolve_one(ps: PrefixShare, eng: WarmEngine, doc: Any) -> Document:
+    if isinstance(doc, Document):
+        return doc
+    if isinstance(doc, tuple) and len(doc) == 2:
+        return _pair(*doc)
+    if isinstance(doc, Path):
+        docs = _from_string(str(doc))
+    elif isinstance(doc, str):
+        record = None
+        root = store_root(ps.policy)
+        if root is not None:
+            record = Registry(root).get(eng.fingerprint().digest, doc)
+        if record is not None:
+            if record.source is None:
+                raise DocumentError(f"document {doc!r} was warmed from text, not a file; pass (id, text)")
+            found = _pair(record.id, Path(record.source))
+            if record.content_hash and found.content_hash != record.content_hash:
+                raise DocumentError(f"{record.source} changed since document {doc!r} was warmed; warm it again")
+            return found
+        docs = _from_string(doc)
+    else:
+        raise DocumentError(f"cannot build a prompt from {type(doc).__name__}: pass a document id, a path, "
+                            "(id, text) or a Document")
+    if len(docs) != 1:
+        raise DocumentError(f"{doc!r} names {len(docs)} documents; prompt_for takes one")
+    return docs[0]
+
+
+def prompt_for(
+    ps: PrefixShare,
+    doc: Any,
+    question: str,
+    *,
+    engine: Any = None,
+    prefix: Template | str | None = None,
+    tenant: str | None = None,
+    cache_salt: str | None = None,
+) -> Prompt:
+    """The prompt for ``question`` about ``doc`` whose prefix is, token for token, what :func:`warm` stored.
+
+    ``doc``: a registered document id (its file is read again and checked against the registry), a path,
+    ``(id, text)`` or a :class:`Document`. Pass the same ``prefix`` (template), ``tenant`` and ``cache_salt``
+    as to :func:`warm`.
+    """
+    eng = _engine(ps, engine)
+    tokenizer = eng.tokenizer
+    template = as_template(prefix).resolve(tokenizer)
+    document = _resolve_one(ps, eng, doc)
+    head = _cached_prefix(tokenizer, template, document)
+    tail = question_ids(tokenizer, template, question)
+    return Prompt(head + tail, len(head), document.id, tenant, cache_salt)

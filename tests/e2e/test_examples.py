@@ -1,0 +1,61 @@
+"""Every script in examples/ runs in its quick mode, so none of them can rot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PREFIXSHARE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ps-cache"))
+    yield
+    patch.undo()
+
+
+def run_example(name: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args, "--quick"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_every_example_is_tested() -> None:
+    tested = {"attach_vllm.py", "prewarm_folder.py", "two_replicas.py", "vllm_serve.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+def test_vllm_serve_prints_the_command() -> None:
+    out = run_example("vllm_serve.py")
+    assert "PrefixShareConnector" in out and "--kv-transfer-config" in out and "LMCACHE_TRACK_USAGE=false" in out
+
+
+@pytest.mark.engine
+@pytest.mark.server
+def test_attach_in_application_code() -> None:
+    out = run_example("attach_vllm.py")
+    assert "request 2:" in out and "stored" in out
+
+
+@pytest.mark.engine
+@pytest.mark.server
+def test_prewarm_a_folder() -> None:
+    out = run_example("prewarm_folder.py")
+    assert "faq.md" in out and "second run: 2 of 2 skipped" in out
+
+
+@pytest.mark.engine
+@pytest.mark.server
+def test_two_replicas_on_one_store() -> None:
+    out = run_example("two_replicas.py")
+    assert "same answer: True" in out
+    loaded = int(out.split("replica b:")[1].split("prompt tokens,")[1].split("loaded")[0])
+    assert loaded > 0

@@ -1,0 +1,386 @@
+"""Warm without an engine: documents, templates, chunk keys, the registry, and warm() over a fake engine that
+writes chunk files the way the MP server's fs tier does (the real engine path is tests/e2e/test_warm_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import free_port
+from prefixshare import PrefixShare
+from prefixshare.adapters._runtime import ConnectorRuntime, RequestInfo, namespace
+from prefixshare.fingerprint import EngineSettings, compute_fingerprint
+from prefixshare.policy import Policy
+from prefixshare.warm import (
+    ChunkHasher,
+    DocumentError,
+    DocumentTooLongError,
+    PrefillRequest,
+    PrefillResult,
+    Registry,
+    Template,
+    TemplateError,
+    WarmError,
+    chunk_file_name,
+    expected_salt,
+    parse_chunk_file,
+    prompt_for,
+    resolve_documents,
+    safe_name,
+    warm,
+)
+from prefixshare.warm._chunks import blake3_chunk_hashes
+from prefixshare.warm._documents import split_text
+from prefixshare.warm._template import prefix_ids
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from prefixshare.model import create_model
+
+    return create_model(tmp_path_factory.mktemp("warm-model") / "tiny", shape="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny))
+
+
+# --- documents -----------------------------------------------------------------------------------------------
+
+
+def test_documents_from_files_folders_globs_pairs_and_dicts(tmp_path: Path) -> None:
+    (tmp_path / "docs" / "guide").mkdir(parents=True)
+    (tmp_path / "docs" / "a.md").write_text("alpha")
+    (tmp_path / "docs" / "guide" / "b.md").write_text("beta")
+    (tmp_path / "docs" / ".hidden").write_text("skip")
+    folder = resolve_documents([str(tmp_path / "docs")])
+    assert [d.id for d in folder] == ["a.md", "guide/b.md"]
+    assert folder[0].source == str((tmp_path / "docs" / "a.md").resolve()) and folder[0].content_hash
+    assert [d.id for d in resolve_documents(str(tmp_path / "docs" / "**" / "*.md"))] == ["a.md", "guide/b.md"]
+    assert [d.id for d in resolve_documents(tmp_path / "docs" / "a.md")] == ["a.md"]
+    pairs = resolve_documents([("manual-1", "text one"), ("manual-2", tmp_path / "docs" / "a.md")])
+    assert [(d.id, d.text) for d in pairs] == [("manual-1", "text one"), ("manual-2", "alpha")]
+    assert [d.id for d in resolve_documents({"x": "1", "y": "2"})] == ["x", "y"]
+
+
+@pytest.mark.parametrize(
+    ("docs", "message"),
+    [
+        (["just some text"], "(id, text) pairs"),
+        ([("", "text")], "non-empty"),
+        ([("a\nb", "text")], "control characters"),
+        ([("a", "one"), ("a", "two")], "two documents have the id"),
+        (["/no/such/*.md"], "matches no files"),
+        ([], "no documents"),
+    ],
+)
+def test_bad_documents_are_refused_with_a_reason(docs: Any, message: str) -> None:
+    with pytest.raises(DocumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_documents(docs)
+
+
+def test_binary_files_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "blob.bin").write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(DocumentError, match="not UTF-8"):
+        resolve_documents([str(tmp_path / "blob.bin")])
+
+
+def test_split_parts_fit_and_join_back() -> None:
+    text = "\n\n".join(f"paragraph {i} " + "word " * (i % 7 + 3) for i in range(40)) + "\n" + "x" * 90
+    parts = split_text(text, lambda t: len(t) <= 60)
+    assert "".join(parts) == text and all(len(p) <= 60 for p in parts)
+
+
+# --- templates ----------------------------------------------------------------------------------------------
+
+
+def test_template_placeholders_are_checked() -> None:
+    with pytest.raises(TemplateError):
+        Template(prefix="no placeholder")
+    with pytest.raises(TemplateError):
+        Template(prefix="{document} twice {document}")
+    with pytest.raises(TemplateError):
+        Template(question="no question here")
+    t = Template(prefix="Manual:\n{document}\n", question="Q: {question}\nA:")
+    assert t.prefix_text("X {document} Y") == "Manual:\nX {document} Y\n"  # document text is never parsed
+    assert t.question_text("why?") == "Q: why?\nA:"
+
+
+def test_chat_template_places_the_document_in_the_user_turn(tokenizer: Any) -> None:
+    t = Template.chat(system="Use {braces} freely.").resolve(tokenizer)
+    prefix = t.prefix_text("DOC")
+    assert prefix.startswith("<s><|system|>\nUse {braces} freely.</s>\n<|user|>\nDOC")
+    assert t.question_text("Q?") == "\n\nQ?</s>\n<|assistant|>\n"
+    whole = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Use {braces} freely."}, {"role": "user", "content": "DOC\n\nQ?"}],
+        tokenize=False, add_generation_prompt=True)
+    assert prefix + t.question_text("Q?") == whole
+
+
+# --- chunk keys ------------------------------------------------------------------------------------------------
+
+
+def test_chunk_hashes_are_lmcaches_own(tokenizer: Any) -> None:
+    from prefixshare.model import document_text
+
+    ids = tokenizer.encode(document_text(300, seed=1))
+    ours = ChunkHasher(CHUNK).hashes(ids)
+    assert len(ours) == len(ids) // CHUNK
+    assert ours == blake3_chunk_hashes(ids, CHUNK)  # pins LMCache 0.5.6's rolling blake3 scheme
+    assert ChunkHasher(CHUNK).hashes(ids[:CHUNK - 1]) == []
+    # a prefix's chunks are the first chunks of every longer prompt (rolling hash)
+    assert ChunkHasher(CHUNK).hashes(ids + [5, 6, 7] * 40)[: len(ours)] == ours
+
+
+def test_chunk_file_names_round_trip() -> None:
+    name = chunk_file_name("prefixshare-abc", 0x01000100, 0, "ab" * 32, "t-acme")
+    assert name == f"prefixshare-abc@0x01000100@0@{'ab' * 32}@t-acme.data"
+    parsed = parse_chunk_file(name)
+    assert parsed is not None and parsed.salt == "t-acme" and parsed.world_size == 1 and parsed.kv_rank == 0x01000100
+    assert parse_chunk_file("notes.data") is None and parse_chunk_file("a@b@c@zz.data") is None
+
+
+@pytest.mark.parametrize(("tenant", "salt"), [(None, None), ("acme", None), ("acme", "s1"), (None, "s1"),
+                                              ("a@b/c", None), ("t" * 64, "x" * 100)])
+def test_expected_salt_matches_the_connector(tenant: str | None, salt: str | None) -> None:
+    info = RequestInfo("r", 10, tenant=tenant)
+    assert expected_salt(tenant, salt) == (ConnectorRuntime.salt(None, info, salt) or "")  # type: ignore[arg-type]
+
+
+# --- registry ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("doc_id", ["../../etc/passwd", "/etc/passwd", "a/b", "..", ".hidden", "a\\b", "x" * 300,
+                                    "manual#2", "C:\\x"])
+def test_unsafe_ids_never_leave_the_registry(tmp_path: Path, doc_id: str) -> None:
+    registry = Registry(tmp_path)
+    path = registry.path("0" * 32, doc_id)
+    assert path.parent == tmp_path / ".prefixshare" / "documents" / ("0" * 32)
+    assert path.name.startswith("_") and "/" not in safe_name(doc_id)
+
+
+def test_safe_ids_are_readable_file_names(tmp_path: Path) -> None:
+    assert safe_name("manual-v3.md") == "manual-v3.md"
+    assert Registry(tmp_path).path("f" * 32, "manual-v3.md").name == "manual-v3.md.json"
+    with pytest.raises(ValueError):
+        Registry(tmp_path).path("../x", "a")
+
+
+# --- warm over a fake engine ---------------------------------------------------------------------------------------
+
+
+class FakeEngine:
+    """A WarmEngine that writes chunk files like the MP server's fs tier (write=False: the store drops them)."""
+
+    kind = "fake"
+
+    def __init__(self, model: Path, tokenizer: Any, policy: Policy, store: Path, max_model_len: int = 2048) -> None:
+        self._tok = tokenizer
+        self.policy = policy
+        self.store = store
+        self.max_model_len = max_model_len
+        self.write = True
+        self.calls: list[list[PrefillRequest]] = []
+        self.resets = 0
+        settings = EngineSettings(engine="vllm", kv_layout="test/layout", kv_dtype="float32", block_size=32,
+                                  chunk_size=policy.chunk_size)
+        self.fp = compute_fingerprint(model, settings)
+        self.hasher = ChunkHasher(policy.chunk_size)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tok
+
+    def fingerprint(self) -> Any:
+        return self.fp
+
+    def kv_bytes_per_token(self) -> int:
+        return 4096
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[PrefillResult]:
+        self.calls.append(requests)
+        for req in requests:
+            assert req.kv_transfer_params["prefixshare.prefix_tokens"] == len(req.token_ids)
+            if not self.write:
+                continue
+            salt = expected_salt(req.kv_transfer_params.get("prefixshare.tenant"), req.cache_salt)
+            for h in self.hasher.hashes(req.token_ids):
+                name = chunk_file_name(namespace(self.fp), 0x01000100, 0, h, salt)
+                (self.store / name).write_bytes(b"\0" * 4096 * CHUNK)
+        return [PrefillResult(0) for _ in requests]
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+
+@pytest.fixture
+def setup(tmp_path: Path, tiny: Path, tokenizer: Any) -> tuple[PrefixShare, FakeEngine, Path]:
+    store = tmp_path / "store"
+    store.mkdir()
+    policy = Policy.build(chunk_size=CHUNK, l2=[{"type": "fs", "base_path": str(store)}],
+                          server={"port": free_port(), "http_port": free_port()},
+                          admission={"any": [{"min_tokens": 256}, {"pinned": ["manual-*"]}]})
+    ps = PrefixShare(policy, server=False)
+    return ps, FakeEngine(tiny, tokenizer, policy, store), store
+
+
+def _docs() -> dict[str, str]:
+    from prefixshare.model import document_text
+
+    return {"manual-a": document_text(500, seed=1), "guide": document_text(400, seed=2),
+            "manual-tiny": "A short note.", "small": document_text(120, seed=3)}
+
+
+def test_warm_stores_verifies_records_and_skips_the_second_time(setup: Any, tokenizer: Any) -> None:
+    ps, eng, store = setup
+    template = Template.chat(system="Answer from the document.")
+    events: list[Any] = []
+    report = warm(ps, _docs(), eng, prefix=template, strict=False, progress=events.append, batch_tokens=600)
+    status = {d.id: d.status for d in report.documents}
+    assert status == {"manual-a": "warmed", "guide": "warmed", "manual-tiny": "too_short", "small": "refused"}
+    assert "pin it" in next(d for d in report.documents if d.id == "small").reason
+    assert [len(c) for c in eng.calls] == [1, 1]  # batches of about batch_tokens tokens
+    assert events[0].phase == "plan" and events[-1].phase == "done" and events[-1].documents_done == 2
+    warmed = {d.id: d for d in report.warmed}
+    assert all(d.verified for d in warmed.values())
+    registry = Registry(store)
+    record = registry.get(eng.fp.digest, "manual-a")
+    assert record is not None and record.chunks == warmed["manual-a"].chunks == record.tokens // CHUNK
+    assert record.bytes == record.chunks * 4096 * CHUNK and record.namespace == namespace(eng.fp)
+    assert record.host and record.warmed_at and record.template_digest == template.resolve(tokenizer).digest
+    path = registry.path(eng.fp.digest, "manual-a")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750
+    assert stat.S_IMODE((store / ".prefixshare" / "documents").stat().st_mode) == 0o750
+    # the prompt for any question starts with exactly the warmed tokens
+    for question in ("What is it?", "Why?"):
+        prompt = prompt_for(ps, ("manual-a", _docs()["manual-a"]), question, engine=eng, prefix=template)
+        assert prompt.token_ids[: prompt.prefix_tokens] == prefix_ids(tokenizer, template.resolve(tokenizer),
+                                                                      _docs()["manual-a"])
+        assert prompt.prefix_tokens == record.tokens
+        assert prompt.kv_transfer_params["prefixshare.prefix_tokens"] == record.tokens
+    # second run: nothing to prefill
+    again = warm(ps, _docs(), eng, prefix=template, strict=False)
+    assert {d.id for d in again.skipped} == {"manual-a", "guide"} and len(eng.calls) == 2
+    forced = warm(ps, {"guide": _docs()["guide"]}, eng, prefix=template, force=True)
+    assert forced.warmed[0].id == "guide" and eng.resets == 1 and len(eng.calls) == 3
+
+
+def test_a_document_whose_chunks_vanished_is_warmed_again(setup: Any) -> None:
+    ps, eng, store = setup
+    warm(ps, {"guide": _docs()["guide"]}, eng)
+    victim = sorted(store.glob("*.data"))[3]
+    victim.unlink()
+    again = warm(ps, {"guide": _docs()["guide"]}, eng)
+    assert [d.status for d in again.documents] == ["warmed"] and victim.exists()
+
+
+def test_missing_chunks_fail_verification(setup: Any) -> None:
+    ps, eng, _ = setup
+    eng.write = False
+    with pytest.raises(WarmError) as info:
+        warm(ps, {"guide": _docs()["guide"]}, eng, verify_timeout_s=0.3)
+    result = info.value.report.documents[0]  # type: ignore[union-attr]
+    assert result.status == "failed" and result.verified is False and "chunks are not in the store" in result.reason
+
+
+def test_a_document_longer_than_the_context_is_refused_before_any_work(setup: Any) -> None:
+    from prefixshare.model import document_text
+
+    ps, eng, _ = setup
+    eng.max_model_len = 600
+    docs = {"manual-long": document_text(900, seed=5), "guide": _docs()["guide"]}
+    with pytest.raises(DocumentTooLongError) as info:
+        warm(ps, docs, eng)
+    assert info.value.too_long[0][0] == "manual-long" and info.value.too_long[0][1] > 599
+    assert "max_model_len" in str(info.value) and "split=True" in str(info.value)
+    assert eng.calls == []  # nothing was prefilled
+    report = warm(ps, docs, eng, split=True)
+    parts = [d for d in report.documents if d.part_of == "manual-long"]
+    assert len(parts) >= 2 and all(d.tokens <= 599 and d.status == "warmed" for d in parts)
+    assert parts[0].id == "manual-long#1"
+
+
+def test_tenant_documents_are_stored_under_the_tenant_salt(setup: Any) -> None:
+    ps, eng, store = setup
+    report = warm(ps, {"manual-t": _docs()["guide"]}, eng, tenant="acme")
+    assert report.warmed[0].verified
+    assert all(p.name.endswith("@t-acme.data") for p in store.glob("*.data"))
+    record = Registry(store).get(eng.fp.digest, "manual-t")
+    assert record is not None and record.salt == "t-acme" and record.tenant == "acme"
+
+
+def test_prompt_for_a_registered_document_rereads_its_file(setup: Any, tmp_path: Path) -> None:
+    ps, eng, _ = setup
+    doc = tmp_path / "manual-file.md"
+    doc.write_text(_docs()["guide"])
+    warm(ps, [str(doc)], eng)
+    prompt = prompt_for(ps, "manual-file.md", "Q?", engine=eng)
+    assert prompt.document_id == "manual-file.md"
+    doc.write_text("changed")
+    with pytest.raises(DocumentError, match="changed since"):
+        prompt_for(ps, "manual-file.md", "Q?", engine=eng)
+
+
+def test_warm_report_json_is_plain_data(setup: Any) -> None:
+    ps, eng, _ = setup
+    data = warm(ps, {"guide": _docs()["guide"]}, eng).to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["totals"]["warmed"] == 1 and data["ok"] is True
+
+
+def test_warm_needs_an_engine(tmp_path: Path) -> None:
+    from prefixshare.errors import PrefixShareError
+
+    ps = PrefixShare(Policy.build(chunk_size=CHUNK), server=False)
+    with pytest.raises(PrefixShareError, match="attach one first"):
+        warm(ps, {"a": "b"})
+    with pytest.raises(PrefixShareError, match="cannot warm with"):
+        warm(ps, {"a": "b"}, object())
+    assert os.environ.get("PREFIXSHARE_CACHE_DIR")  # tests never touch the user's cache
+
+
+# --- CLI input errors (before any engine starts) -----------------------------------------------------------
+
+
+def test_warm_cli_refuses_bad_input_before_starting_an_engine(cli: Any, tmp_path: Path, tiny: Path) -> None:
+    from typer.testing import CliRunner
+
+    store = tmp_path / "store"
+    store.mkdir()
+    policy = tmp_path / "p.yaml"
+    policy.write_text(f"chunk_size: 64\nl2:\n  - type: fs\n    base_path: {store}\n"
+                      f"server:\n  port: {free_port()}\n  http_port: {free_port()}\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text("hello")
+    runner = CliRunner()
+
+    def run(*args: str) -> Any:
+        return runner.invoke(cli, ["warm", *args], env={"COLUMNS": "200"})
+
+    cases = [
+        (["/no/such/file.md", "--policy", str(policy), "--model", str(tiny)], "not a file, folder or glob"),
+        ([str(doc), "--policy", str(policy), "--model", str(tmp_path / "nope")], "no such directory"),
+        ([str(doc), "--policy", str(policy), "--model", str(tiny), "--engine", "sglang"], "only vllm"),
+        ([str(doc), "--policy", str(policy), "--model", str(tiny), "--block-size", "48"], "does not divide"),
+        ([str(doc), "--policy", str(policy), "--model", str(tiny), "--template", "no placeholder"], "{document}"),
+        ([str(doc), "--policy", str(tmp_path / "missing.yaml"), "--model", str(tiny)], "does not exist"),
+    ]
+    for args, message in cases:
+        result = run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output and "Traceback" not in result.output, (args, result.output)
+    memory_only = tmp_path / "mem.yaml"
+    memory_only.write_text(f"chunk_size: 64\nserver:\n  port: {free_port()}\n  http_port: {free_port()}\n")
+    result = run(str(doc), "--policy", str(memory_only), "--model", str(tiny))
+    assert result.exit_code == 2 and "no L2 tier" in result.output
