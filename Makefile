@@ -11,7 +11,7 @@ export LMCACHE_DISABLE_BANNER := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo lock clean services
+.PHONY: venv test test-fast demo bench lock clean services
 
 venv: $(STAMP)
 
@@ -44,6 +44,10 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/prefixshare demo
+
+# The full benchmark (about 10 minutes on 2 CPU cores); writes docs/benchmarks.md and docs/benchmarks/.
+bench: $(STAMP)
+	$(VENV)/bin/prefixshare bench
 
 # Regenerate the lock from the current venv (run after changing dependencies, then commit it).
 lock:

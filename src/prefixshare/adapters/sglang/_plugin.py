@@ -7,7 +7,10 @@ LMCache MP tree cache plus what prefixshare enforces (see :mod:`prefixshare.adap
 * **namespace** — the model name the MP server sees is ``prefixshare-<fingerprint>``;
 * **admission** — the policy's rules decide whether a request's KV is stored;
 * **bounded loads** — a store lookup that outlives the policy's load timeout is abandoned (recompute);
-* **stats** — counters and structured events for :meth:`PrefixShare.stats`.
+* **stats** — counters and structured events for :meth:`PrefixShare.stats`;
+* **cost-aware loading** (``load.mode: auto``) — a prefix is looked up and loaded only when that is predicted
+  faster than computing it (:mod:`prefixshare.adapters._cost`); the prefill rate comes from the time between
+  a request becoming ready (lookup answered) and SGLang checkpointing its computed prefix.
 
 Its settings come from the environment the engine was started with (``PREFIXSHARE_SGLANG``: JSON with the
 policy and the instance name), which SGLang's processes inherit.
@@ -87,6 +90,39 @@ def build_tree_cache(ctx: Any) -> Any:
         settings=engine_settings(sa), role="scheduler",
     )
 
+    #: per request: when it became ready to compute, how far it is computed, when its load began (cost model)
+    _timing: dict[str, dict[str, Any]] = {}
+
+    def _cost_fallback(info: Any) -> None:
+        from prefixshare import _metrics
+
+        with runtime._lock:
+            runtime.stats.fallbacks["cost"] += 1
+            info.fallback, info.loaded_tokens = "cost", 0
+        _metrics.fallback(runtime.engine, "cost")
+
+    def _observe_checkpoint(rid: str, up_to: int) -> None:
+        """SGLang checkpoints a request's computed prefix after each prefill chunk: time the chunk."""
+        cost, timing = runtime.cost, _timing.get(rid)
+        if cost is None or timing is None or up_to <= timing["done"]:
+            return
+        now = time.monotonic()
+        start = timing["done"]
+        if timing.get("transfer_from") is not None:
+            # the first chunk after a load: the transfer plus computing what the load left
+            loaded = timing.pop("loaded", 0)
+            start += loaded
+            elapsed = now - timing.pop("transfer_from")
+            rest = cost.prefill_s(start, up_to) or 0.0
+            cost.observe_transfer(loaded, max(0.0, elapsed - rest))
+            timing["transfer_from"] = None
+        elif up_to > start:
+            cost.observe_prefill([(start, up_to)], now - timing["ready"])
+        timing["done"], timing["ready"] = up_to, now
+        if up_to >= timing["prompt"] - 1:
+            info = runtime.requests.get(rid)
+            cost.outcome(rid, finished_at=now, loaded_tokens=info.loaded_tokens if info else 0)
+
     class PrefixShareRadixCache(LMCacheUnifiedRadixCache):
         """SGLang's LMCache MP tree cache, namespaced by fingerprint and governed by a Policy."""
 
@@ -102,6 +138,17 @@ def build_tree_cache(ctx: Any) -> Any:
             if not runtime.store_available():
                 runtime.fallback(info, "store_down")
                 return None
+            cost = runtime.cost
+            if cost is not None and rid not in _timing:
+                n = len(matched) + len(new_input_tokens)
+                chunk = runtime.policy.chunk_size
+                _timing[rid] = {"ready": time.monotonic(), "done": len(matched), "prompt": n, "transfer_from": None}
+                decision = cost.decide_before_lookup(rid, n, len(matched), n // chunk * chunk).decision
+                if decision == "recompute":
+                    _cost_fallback(info)
+                    return None
+                if decision == "local":
+                    return None
             info.lookup_started = time.monotonic()
             return super().prefetch_from_storage(request, last_host_node_id, new_input_tokens, *args, **kwargs)
 
@@ -121,9 +168,48 @@ def build_tree_cache(ctx: Any) -> Any:
             done = super().check_prefetch_progress(handle)
             if done and info is not None and info.lookup_started is not None:
                 loaded = int(self.prefetch_loaded_tokens_by_reqid.get(handle, 0) or 0)
-                runtime.lookup_done(info, loaded, time.monotonic() - info.lookup_started)
+                seconds = time.monotonic() - info.lookup_started
+                runtime.lookup_done(info, loaded, seconds)
                 info.lookup_started = None
+                self._cost_after_lookup(handle, rid, info, loaded, seconds)
             return done
+
+        def _cost_after_lookup(self, handle: Any, rid: str, info: Any, loaded: int, seconds: float) -> None:
+            """Record the lookup; when transferring the hit is predicted slower than computing it, release the
+            lookup's locks (as SGLang does for hits its own cache covers) and compute instead."""
+            cost, timing = runtime.cost, _timing.get(rid)
+            if cost is None or timing is None:
+                return
+            timing["ready"] = time.monotonic()
+            flow = self._external_flows.get(rid)
+            local = timing["done"]
+            cost.observe_lookup(local + loaded, seconds)
+            if loaded <= 0 or flow is None or flow.total_hit is None:
+                return
+            d = cost.decide_after_lookup(rid, timing["prompt"], local, local + loaded, seconds)
+            if d.decision == "load":
+                return
+            chunk = self.lmcache_connector.chunk_size
+            start = min(flow.total_hit, flow.local_hit_tokens // chunk * chunk)  # super() released [0, start)
+            if flow.total_hit > start:
+                self.lmcache_connector.free_lookup_locks(rid, start=start, end=flow.total_hit)
+            self._external_flows.pop(rid, None)
+            self.prefetch_loaded_tokens_by_reqid[handle] = 0
+            self.prefetch_loaded_storage_start_by_reqid.pop(handle, None)
+            _cost_fallback(info)
+
+        def init_load_back(self, params: Any) -> Any:
+            result = super().init_load_back(params)
+            req = getattr(params, "req", None)
+            timing = _timing.get(req.rid) if req is not None else None
+            if timing is not None and result and result[0]:
+                timing["transfer_from"] = time.monotonic()
+                timing["loaded"] = int(result[0])
+            return result
+
+        def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+            _observe_checkpoint(req.rid, up_to)
+            super().checkpoint(req, up_to=up_to, **kwargs)
 
         def _submit_store(self, req: Any, token_ids: list[int]) -> Any:
             info = runtime.begin(req.rid, list(req.origin_input_ids or token_ids), parse_rid(req.rid))
@@ -140,6 +226,10 @@ def build_tree_cache(ctx: Any) -> Any:
         def on_release(self, req: Any, *, checkpointed: bool) -> None:
             super().on_release(req, checkpointed=checkpointed)
             info = runtime.requests.get(req.rid)
+            if req.finished():
+                _timing.pop(req.rid, None)
+                if runtime.cost is not None:
+                    runtime.cost.forget(req.rid)
             if info is not None and req.finished():
                 runtime.load_done(req.rid)
                 runtime.finish(req.rid, max(0, info.stored_tokens - info.loaded_tokens))

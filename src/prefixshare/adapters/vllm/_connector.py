@@ -13,7 +13,10 @@ exactly like those of application code. What it adds to LMCache's connector:
   salt, so tenants never hit each other's KV;
 * **bounded loads** — failed loads are recomputed (``kv_load_failure_policy=recompute``), RPCs to the server
   are bounded by the policy's load timeout, and a lookup that outlives it is abandoned (recompute);
-* **stats** — counters and structured log events, published for :meth:`PrefixShare.stats`.
+* **stats** — counters and structured log events, published for :meth:`PrefixShare.stats`;
+* **cost-aware loading** (policy ``load.mode: auto``) — a load happens only when it is predicted faster
+  than recomputing the prefix (see :mod:`prefixshare.adapters._cost`); the prefill-rate estimate comes from
+  this scheduler's own step timings (``build_connector_meta`` -> ``update_connector_output``).
 
 Both sides build the same namespace from the connector's extra config alone.
 """
@@ -21,11 +24,13 @@ Both sides build the same namespace from the connector's extra config alone.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
 
+from prefixshare import _metrics
 from prefixshare.adapters._runtime import ConnectorRuntime
 from prefixshare.adapters.vllm._settings import engine_settings, model_dirs
 
@@ -66,6 +71,13 @@ class PrefixShareConnector(LMCacheMPConnector):
                 adapter.model_name = self.prefixshare.namespace
         self._lookup_timeout_s = policy.load.timeout_s
         self._load_mode = policy.load.mode
+        #: cost-aware loading: scheduler steps in flight (start, spans, had a load), requests decided on,
+        #: chunks a bypassed lookup found in the store (not re-stored, not counted as stored by us),
+        #: lookups abandoned while running (their locks are released once the server has settled them)
+        self._steps: deque[tuple[float, list[tuple[str, int, int, int]], bool]] = deque(maxlen=64)
+        self._decided: set[str] = set()
+        self._present: dict[str, int] = {}
+        self._abandoned: set[str] = set()
 
     # --- scheduler side --------------------------------------------------------------------------------
     def _get_or_create_request_tracker(self, request: Request) -> Any:
@@ -102,6 +114,21 @@ class PrefixShareConnector(LMCacheMPConnector):
                 tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
                 tracker.max_offload_tokens = 0
                 self.prefixshare.fallback(info, "store_down")
+            else:
+                decision = self._cost_before_lookup(request, tracker, num_computed_tokens)
+                if decision == "recompute":
+                    # Recomputing is predicted faster than even the largest possible hit: no lookup, nothing locked.
+                    tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+                    self._cost_fallback(info)
+                    return 0, False
+                if decision == "local":
+                    # The engine's own prefix cache holds every chunk a lookup could return: skip the round trip;
+                    # those chunks were stored when this engine computed (or loaded) them: not again.
+                    chunk = self.scheduler_adapter.lmcache_tokens_per_chunk
+                    tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+                    tracker.num_stored_tokens = num_computed_tokens // chunk * chunk
+                    self._present[request.request_id] = tracker.num_stored_tokens
+                    return 0, False
         # LMCache's connector bypasses itself (recompute) when the engine reports a failed load.
         failed_load = (
             tracker.state == LMCacheMPRequestState.READY
@@ -115,26 +142,157 @@ class PrefixShareConnector(LMCacheMPConnector):
         if failed_load:
             self.prefixshare.fallback(info, "load_failed")
         if matched is None:
-            if time.monotonic() - started > self._lookup_timeout_s:
-                # The store is too slow or gone: stop waiting and let the engine recompute.
+            waited = time.monotonic() - started
+            deadline = self._cost_deadline(request, num_computed_tokens)
+            if waited > self._lookup_timeout_s or (deadline is not None and waited > deadline):
+                # The store is too slow or gone: stop waiting and let the engine recompute. The server's
+                # prefetch may still be running; its locks are released at request_finished.
                 self.scheduler_adapter.cleanup_lookup_result(request.request_id)
+                self._abandoned.add(request.request_id)
                 tracker.lookup_started_at = None
                 tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
-                self.prefixshare.fallback(info, "lookup_timeout")
+                if waited > self._lookup_timeout_s:
+                    self.prefixshare.fallback(info, "lookup_timeout")
+                else:
+                    assert self.prefixshare.cost is not None
+                    self.prefixshare.cost.decide_deadline(request.request_id, tracker.num_prompt_tokens,
+                                                          num_computed_tokens, waited)
+                    self._cost_fallback(info)
                 return 0, False
             return matched, is_async
-        if info is not None and info.lookup_s is None and not failed_load:
-            self.prefixshare.lookup_done(info, matched, time.monotonic() - started)
+        skipped = info is not None and (info.fallback == "cost" or request.request_id in self._present)
+        if info is not None and info.lookup_s is None and not failed_load and not skipped:
+            seconds = time.monotonic() - started
+            self.prefixshare.lookup_done(info, matched, seconds)
+            if not self._cost_after_lookup(request, tracker, num_computed_tokens, seconds, info):
+                return 0, False
         return matched, is_async
+
+    # --- cost-aware loading (see prefixshare.adapters._cost) ------------------------------------------------
+    def _cost_before_lookup(self, request: Request, tracker: Any, num_computed_tokens: int) -> str:
+        """"load" (look up), "recompute" (predicted faster than the largest possible hit) or "local" (the
+        engine's prefix cache already holds every chunk a lookup could return)."""
+        cost = self.prefixshare.cost
+        if cost is None or request.request_id in self._decided:
+            return "load"
+        self._decided.add(request.request_id)
+        chunk = self.scheduler_adapter.lmcache_tokens_per_chunk
+        aligned = tracker.num_prompt_tokens // chunk * chunk
+        return cost.decide_before_lookup(request.request_id, tracker.num_prompt_tokens, num_computed_tokens,
+                                         aligned).decision
+
+    def _cost_deadline(self, request: Request, num_computed_tokens: int) -> float | None:
+        cost = self.prefixshare.cost
+        if cost is None:
+            return None
+        return cost.lookup_deadline_s(request.num_prompt_tokens, num_computed_tokens)
+
+    def _cost_after_lookup(self, request: Request, tracker: Any, num_computed_tokens: int, seconds: float,
+                           info: Any) -> bool:
+        """Record the lookup; False (and the lookup's locks released) when recomputing is predicted faster
+        than transferring the hit."""
+        cost = self.prefixshare.cost
+        if cost is None:
+            return True
+        hit = tracker.num_lmcache_hit_tokens
+        cost.observe_lookup(hit, seconds)
+        if hit <= num_computed_tokens:
+            return True
+        decision = cost.decide_after_lookup(request.request_id, tracker.num_prompt_tokens, num_computed_tokens,
+                                            hit, seconds)
+        if decision.decision == "load":
+            return True
+        # Release what the lookup locked on the server, exactly as LMCache does for chunks it will not
+        # retrieve (update_state_after_alloc -> free_lookup_locks), then recompute; the chunks are in the
+        # store already, so they are not written again.
+        self.scheduler_adapter.free_lookup_locks(
+            token_ids=tracker.get_token_ids(), start=0, end=hit, request_id=request.request_id,
+            cache_salt=tracker.cache_salt, request_configs=tracker.request_configs,
+        )
+        self.scheduler_adapter.cleanup_lookup_result(request.request_id)
+        tracker.num_lmcache_hit_tokens = 0
+        tracker.num_stored_tokens = hit
+        tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+        self._present[request.request_id] = hit
+        self._cost_fallback(info)
+        return False
+
+    def _cost_fallback(self, info: Any) -> None:
+        """A recompute chosen by the cost model: counted like other fallbacks, without a warning."""
+        rt = self.prefixshare
+        with rt._lock:
+            rt.stats.fallbacks["cost"] += 1
+            if info is not None:
+                info.fallback, info.loaded_tokens, info.load_started = "cost", 0, None
+        _metrics.fallback(rt.engine, "cost")
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        loading = any(t.state == LMCacheMPRequestState.WAITING_FOR_LOAD for t in self.request_trackers.values())
+        meta = super().build_connector_meta(scheduler_output)
+        if self.prefixshare.cost is not None and scheduler_output.total_num_scheduled_tokens > 0:
+            # (empty steps, e.g. while a lookup is pending, are not executed and get no connector output)
+            spans: list[tuple[str, int, int, int]] = []
+            scheduled = scheduler_output.num_scheduled_tokens
+            for new in scheduler_output.scheduled_new_reqs:
+                start = new.num_computed_tokens
+                spans.append((new.req_id, start, start + scheduled.get(new.req_id, 0), len(new.prompt_token_ids or ())))
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, rid in enumerate(cached.req_ids):
+                tracker = self.request_trackers.get(rid)
+                start = cached.num_computed_tokens[i]
+                spans.append((rid, start, start + scheduled.get(rid, 0), tracker.num_prompt_tokens if tracker else 0))
+            self._steps.append((time.monotonic(), spans, loading))
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
+        cost = self.prefixshare.cost
         for request_id in getattr(connector_output, "finished_recving", None) or ():
             self.prefixshare.load_done(request_id)
+            info = self.prefixshare.requests.get(request_id)
+            if cost is not None and info is not None and info.load_s is not None:
+                cost.observe_transfer(info.loaded_tokens, info.load_s)
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        """The engine has executed the last scheduled step: time it (a prefill observation) and record the
+        outcome of every request whose prefill it finished. Called from whichever comes first after the
+        step: request_finished (a request that ends with its prefill) or update_connector_output."""
+        cost = self.prefixshare.cost
+        if cost is None or not self._steps:
+            return
+        # steps run one at a time here (the scheduler's output of a step comes before the next step)
+        began, spans, loading = self._steps.pop()
+        self._steps.clear()
+        now = time.monotonic()
+        prefill = [(start, min(end, prompt)) for _, start, end, prompt in spans if start < prompt]
+        if prefill and len(prefill) == len(spans) and not loading:
+            cost.observe_prefill(prefill, now - began)
+        for rid, start, end, prompt in spans:
+            if start < prompt <= end:  # this step finished the request's prefill
+                info = self.prefixshare.requests.get(rid)
+                cost.outcome(rid, finished_at=now, loaded_tokens=info.loaded_tokens if info else 0,
+                             transfer_s=info.load_s if info else None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._finish_step()
         tracker = self.request_trackers.get(request.request_id)
-        stored = max(0, tracker.num_stored_tokens - tracker.num_lmcache_hit_tokens) if tracker is not None else 0
+        present = max(self._present.pop(request.request_id, 0), tracker.num_lmcache_hit_tokens if tracker else 0)
+        stored = max(0, tracker.num_stored_tokens - present) if tracker is not None else 0
+        if request.request_id in self._abandoned and tracker is not None:
+            # An abandoned lookup's prefetch has had the whole recompute to settle: release its locks now
+            # (the server releases exactly what it locked, or nothing while the prefetch still runs).
+            self._abandoned.discard(request.request_id)
+            chunk = self.scheduler_adapter.lmcache_tokens_per_chunk
+            end = tracker.num_prompt_tokens // chunk * chunk
+            if end > 0:
+                self.scheduler_adapter.free_lookup_locks(
+                    token_ids=tracker.get_token_ids(), start=0, end=end, request_id=request.request_id,
+                    cache_salt=tracker.cache_salt, request_configs=tracker.request_configs,
+                )
+        self._decided.discard(request.request_id)
+        if self.prefixshare.cost is not None:
+            self.prefixshare.cost.forget(request.request_id)
         result = super().request_finished(request, block_ids)
         self.prefixshare.finish(request.request_id, stored)
         return result
@@ -142,4 +300,6 @@ class PrefixShareConnector(LMCacheMPConnector):
     # --- both sides --------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self.prefixshare.publish(force=True)
+        if self.prefixshare.cost is not None:
+            self.prefixshare.cost.save(force=True)
         super().shutdown()

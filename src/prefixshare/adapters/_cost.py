@@ -1,0 +1,513 @@
+"""Cost-aware loading: load a prefix from the store only when that is predicted faster than recomputing it.
+
+A cache hit can be *slower* than a recompute (a file-backed hit measured at 2.45 s against a 1.7 s full
+prefill). Every connector therefore keeps running estimates of
+
+* the engine's **prefill cost** ``cost(n) = a*n + b*n^2`` seconds for the first ``n`` tokens of a prompt
+  (attention makes it grow faster than linearly; computing tokens ``h..n`` costs ``cost(n) - cost(h)``),
+  fitted from the engine's own step timings;
+* the store's **lookup** time ``l0 + bytes/l_bw`` (on LMCache's MP server a lookup also prefetches the hit
+  chunks from L2 into the server's memory, so this is where a slow store shows);
+* the **transfer** time ``t0 + bytes/t_bw`` (server memory -> the engine's KV cache).
+
+Each is an exponentially weighted least-squares fit (an EWMA of the fit's sufficient statistics, so recent
+observations dominate) with non-negative coefficients. Estimates are persisted per fingerprint namespace in
+the run dir (``<run_dir>/cost/<namespace>.json``; the store's estimates keyed by the store's identity), so a
+fresh replica starts calibrated.
+
+Before a lookup the connector asks :meth:`CostModel.decide_before_lookup` whether loading the largest
+possible hit could beat recomputing it; after the lookup (the hit size known, the L2 read already paid)
+:meth:`CostModel.decide_after_lookup` asks again for the transfer alone. An uncalibrated model loads
+(that is how it learns); a model that keeps choosing to recompute probes the store again now and then
+(every ``PROBE_EVERY``-th decision) so that a store that became fast is noticed. Every decision is recorded
+with its prediction, and the outcome (observed time to the end of the prefill) is recorded against it, in
+stats (``cost`` in the connector's snapshot) and as structlog events ``load.decision`` / ``load.outcome``.
+
+Nothing here imports an engine: the vLLM connector and the SGLang backend feed it observations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from prefixshare._log import get_logger
+from prefixshare._paths import run_dir
+
+#: weight of the newest observation in every running estimate (EWMA factor)
+ALPHA = 0.3
+#: a model that chose to recompute this many times in a row, and has not measured the store for PROBE_AFTER_S,
+#: looks the store up once anyway (a probe: a store that became fast is noticed; its cost is amortized)
+PROBE_EVERY = 16
+PROBE_AFTER_S = 300.0
+#: a pending lookup is abandoned (recompute) after this many times the predicted recompute (mode auto)
+DEADLINE_FACTOR = 2.0
+#: prefill steps with fewer new tokens than this are not prefill observations (decode steps, overheads)
+MIN_PREFILL_TOKENS = 32
+#: decisions (with their outcomes) kept in stats, the newest; every one is logged (load.decision/outcome)
+KEEP_DECISIONS = 16
+_MB = 1e6
+_VERSION = 1
+
+
+class Fit:
+    """``y ~= w . x`` with ``w >= 0``, by exponentially weighted least squares (EWMA of X'X and X'y).
+
+    ``ridge`` holds each coefficient gently toward its prior (0 unless given), so that one observation at one
+    length gives a usable fit (the quadratic term stays ~0 until lengths vary).
+    """
+
+    def __init__(self, dim: int, *, alpha: float = ALPHA, ridge: tuple[float, ...] | None = None) -> None:
+        self.dim = dim
+        self.alpha = alpha
+        self.ridge = ridge or tuple(1e-9 for _ in range(dim))
+        self.xx = [[0.0] * dim for _ in range(dim)]
+        self.xy = [0.0] * dim
+        self.n = 0
+        self.w: list[float] | None = None
+
+    def observe(self, x: tuple[float, ...] | list[float], y: float) -> None:
+        if not (math.isfinite(y) and y >= 0) or any(not math.isfinite(v) for v in x):
+            return
+        keep = 1.0 - self.alpha if self.n else 0.0
+        for i in range(self.dim):
+            self.xy[i] = keep * self.xy[i] + x[i] * y
+            for j in range(self.dim):
+                self.xx[i][j] = keep * self.xx[i][j] + x[i] * x[j]
+        self.n += 1
+        self.w = self._solve()
+
+    def _solve(self) -> list[float]:
+        """Non-negative solution: the unconstrained one if it is non-negative, else the best on a face."""
+        if self.dim == 2:  # every fit here: closed form (this runs once per observation, on the request path)
+            return self._solve2()
+        best: list[float] | None = None
+        best_err = math.inf
+        for mask in range((1 << self.dim) - 1, 0, -1):
+            idx = [i for i in range(self.dim) if mask >> i & 1]
+            sol = _solve([[self.xx[i][j] + (self.ridge[i] if i == j else 0.0) for j in idx] for i in idx],
+                         [self.xy[i] for i in idx])
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            w = [0.0] * self.dim
+            for i, v in zip(idx, sol, strict=True):
+                w[i] = v
+            err = self._loss(w)
+            if err < best_err - 1e-15:
+                best, best_err = w, err
+            if mask == (1 << self.dim) - 1:
+                break  # the unconstrained solution is feasible: it is the optimum
+        return best or [0.0] * self.dim
+
+    def _solve2(self) -> list[float]:
+        (a, b), (c, d) = self.xx
+        a += self.ridge[0]
+        d += self.ridge[1]
+        y0, y1 = self.xy
+        det = a * d - b * c
+        if det > 1e-300:
+            w0, w1 = (d * y0 - b * y1) / det, (a * y1 - c * y0) / det
+            if w0 >= 0 and w1 >= 0:
+                return [w0, w1]
+        # on a face: one coefficient 0, the other its 1-D least-squares value (clamped at 0)
+        only0 = [max(0.0, y0 / a), 0.0] if a > 0 else [0.0, 0.0]
+        only1 = [0.0, max(0.0, y1 / d)] if d > 0 else [0.0, 0.0]
+        return only0 if self._loss(only0) <= self._loss(only1) else only1
+
+    def _loss(self, w: list[float]) -> float:
+        # w'XXw - 2 w'Xy (+ const): enough to compare candidates
+        quad = sum(w[i] * self.xx[i][j] * w[j] for i in range(self.dim) for j in range(self.dim))
+        return quad - 2 * sum(w[i] * self.xy[i] for i in range(self.dim))
+
+    def predict(self, x: tuple[float, ...] | list[float]) -> float | None:
+        if self.w is None:
+            return None
+        return max(0.0, sum(wi * xi for wi, xi in zip(self.w, x, strict=True)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "xx": self.xx, "xy": self.xy, "w": self.w}
+
+    def load(self, data: dict[str, Any]) -> None:
+        try:
+            xx, xy = data["xx"], data["xy"]
+            if len(xy) != self.dim or any(len(row) != self.dim for row in xx):
+                return
+            self.xx = [[float(v) for v in row] for row in xx]
+            self.xy = [float(v) for v in xy]
+            self.n = int(data.get("n", 0))
+            self.w = self._solve() if self.n else None
+        except (KeyError, TypeError, ValueError):
+            return
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting for the tiny (<= 3x3) normal equations."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+@dataclass
+class Decision:
+    """One load-or-recompute decision, its prediction and (later) what was observed."""
+
+    request_id: str
+    phase: str  # "before_lookup", "after_lookup", "deadline"
+    decision: str  # "load", "recompute" or "local" (nothing the store could add: no lookup)
+    reason: str
+    mode: str
+    prompt_tokens: int
+    local_tokens: int
+    load_tokens: int
+    load_bytes: int
+    predicted_load_s: float | None
+    predicted_recompute_s: float | None
+    #: predicted time from now to the end of the prefill along the chosen path
+    predicted_s: float | None = None
+    decided_at: float = field(default_factory=time.monotonic)
+    observed_s: float | None = None
+    observed_lookup_s: float | None = None
+    observed_transfer_s: float | None = None
+    loaded_tokens: int = 0
+
+    @property
+    def error(self) -> float | None:
+        if self.observed_s is None or not self.predicted_s:
+            return None
+        return self.observed_s / self.predicted_s - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f: getattr(self, f) for f in _FIELDS}
+        for key in ("predicted_load_s", "predicted_recompute_s", "predicted_s", "observed_s", "observed_lookup_s",
+                    "observed_transfer_s"):
+            if data[key] is not None:
+                data[key] = round(data[key], 5)
+        error = self.error
+        data["error"] = None if error is None else round(error, 4)
+        return data
+
+
+_FIELDS = [f.name for f in fields(Decision) if f.name != "decided_at"]
+
+
+def store_key(policy: Any) -> str:
+    """The identity of the store a policy reads (its tiers and extra server arguments, not the server's address:
+    servers of several nodes on one shared directory read the same store): estimates are kept per store."""
+    tiers = [t.adapter_config() for t in getattr(policy, "l2", [])]
+    ident = json.dumps([tiers, list(policy.server.extra_args)], sort_keys=True, default=str)
+    return blake3.blake3(ident.encode()).hexdigest()[:16]
+
+
+class CostModel:
+    """Running estimates, decisions and their outcomes for one connector (scheduler side)."""
+
+    SAVE_INTERVAL_S = 1.0
+
+    def __init__(self, namespace: str, *, store: str, kv_bytes_per_token: int, chunk_size: int, mode: str,
+                 persist: bool = True, log: Any = None) -> None:
+        self.namespace = namespace
+        self.store = store
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.chunk_size = chunk_size
+        self.mode = mode
+        # prefill: seconds ~ a * (k/1e3) + b * ((end^2 - start^2)/1e6) for k = end - start new tokens
+        self.prefill = Fit(2, ridge=(1e-9, 1e-6))
+        # lookup and transfer: seconds ~ latency + MB / bandwidth
+        self.lookup = Fit(2, ridge=(1e-9, 1e-9))
+        self.transfer = Fit(2, ridge=(1e-9, 1e-9))
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=KEEP_DECISIONS)
+        self.pending: dict[str, Decision] = {}
+        self.counts: Counter[str] = Counter()
+        self.abs_errors: deque[float] = deque(maxlen=KEEP_DECISIONS)
+        self._recompute_streak = 0
+        self._first_prefill_seen = False
+        #: when this store was last measured (a lookup observed); a model loaded from the run dir counts as
+        #: measured now
+        self._store_seen = time.monotonic()
+        self._lock = threading.Lock()
+        self._last_save = 0.0
+        self._dirty = False
+        self.log = log or get_logger("prefixshare.cost")
+        self.path = run_dir() / "cost" / f"{namespace}.json" if persist else None
+        self.loaded_from: str | None = None
+        if self.path is not None:
+            self._load()
+
+    # --- persistence ---------------------------------------------------------------------------------
+    def _load(self) -> None:
+        assert self.path is not None
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if data.get("version") != _VERSION:
+            return
+        self.prefill.load(data.get("prefill", {}))
+        self.transfer.load(data.get("transfer", {}))
+        self.lookup.load(data.get("stores", {}).get(self.store, {}).get("lookup", {}))
+        self.loaded_from = str(self.path)
+
+    def save(self, force: bool = False) -> None:
+        if self.path is None or not self._dirty:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_save < self.SAVE_INTERVAL_S:
+            return
+        self._last_save = now
+        self._dirty = False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                data = json.loads(self.path.read_text())
+                if data.get("version") != _VERSION:
+                    data = {}
+            except (OSError, ValueError):
+                data = {}
+            with self._lock:
+                data["version"] = _VERSION
+                data["namespace"] = self.namespace
+                data["updated_at"] = time.time()
+                data["prefill"] = self.prefill.to_dict()
+                data["transfer"] = self.transfer.to_dict()
+                data.setdefault("stores", {})[self.store] = {"lookup": self.lookup.to_dict(), "updated_at": time.time()}
+            tmp = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(self.path)
+        except OSError as exc:
+            self.log.warning("cost.save_failed", error=str(exc), path=str(self.path))
+
+    # --- observations --------------------------------------------------------------------------------
+    @staticmethod
+    def _prefill_x(start: int, end: int) -> tuple[float, float]:
+        return ((end - start) / 1e3, (end * end - start * start) / 1e6)
+
+    def observe_prefill(self, spans: list[tuple[int, int]], seconds: float) -> bool:
+        """One engine step that computed tokens ``start..end`` of each span in ``seconds``."""
+        new = sum(max(0, e - s) for s, e in spans)
+        if new < MIN_PREFILL_TOKENS or seconds <= 0:
+            return False
+        if not self._first_prefill_seen:
+            # a fresh engine's first prefill pays one-off costs (allocations, lazy init: ~2x on CPU): not a rate
+            self._first_prefill_seen = True
+            return False
+        x1 = sum(self._prefill_x(s, e)[0] for s, e in spans)
+        x2 = sum(self._prefill_x(s, e)[1] for s, e in spans)
+        with self._lock:
+            self.prefill.observe((x1, x2), seconds)
+            self._dirty = True
+        self.save()
+        return True
+
+    def observe_lookup(self, hit_tokens: int, seconds: float) -> None:
+        self._store_seen = time.monotonic()
+        with self._lock:
+            self.lookup.observe((1.0, hit_tokens * self.kv_bytes_per_token / _MB), seconds)
+            self._dirty = True
+        self.save()
+
+    def observe_transfer(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        with self._lock:
+            self.transfer.observe((1.0, tokens * self.kv_bytes_per_token / _MB), seconds)
+            self._dirty = True
+        self.save()
+
+    # --- predictions ----------------------------------------------------------------------------------
+    def prefill_s(self, start: int, end: int) -> float | None:
+        """Predicted seconds to compute tokens ``start..end`` (with attention over the first ``start``)."""
+        if end <= start:
+            return 0.0
+        return self.prefill.predict(self._prefill_x(start, end))
+
+    def lookup_s(self, tokens: int) -> float | None:
+        if self.lookup.w is None or self._no_bytes(self.lookup):
+            return None
+        return self.lookup.predict((1.0, tokens * self.kv_bytes_per_token / _MB))
+
+    def transfer_s(self, tokens: int) -> float | None:
+        if self.transfer.w is None or self._no_bytes(self.transfer):
+            return None
+        return self.transfer.predict((1.0, tokens * self.kv_bytes_per_token / _MB))
+
+    @staticmethod
+    def _no_bytes(fit: Fit) -> bool:
+        """True while a fit has never seen an observation with bytes (its bandwidth is unknown)."""
+        return fit.xx[1][1] <= 0.0
+
+    def calibrated(self) -> bool:
+        return self.prefill.w is not None and self.lookup_s(self.chunk_size) is not None and \
+            self.transfer_s(self.chunk_size) is not None
+
+    def estimates(self) -> dict[str, Any]:
+        def bw(fit: Fit) -> float | None:
+            if fit.w is None or fit.w[1] <= 0:
+                return None
+            return round(1.0 / fit.w[1] / 1e3, 4)  # MB/s -> GB/s
+
+        out: dict[str, Any] = {
+            "prefill_observations": self.prefill.n, "lookup_observations": self.lookup.n,
+            "transfer_observations": self.transfer.n,
+            "lookup_latency_s": None if self.lookup.w is None else round(self.lookup.w[0], 5),
+            "lookup_gbps": bw(self.lookup),
+            "transfer_latency_s": None if self.transfer.w is None else round(self.transfer.w[0], 5),
+            "transfer_gbps": bw(self.transfer),
+        }
+        for n in (1024, 4096):
+            p = self.prefill_s(0, n)
+            out[f"prefill_tokens_per_s_{n}"] = round(n / p, 1) if p else None
+        return out
+
+    # --- decisions --------------------------------------------------------------------------------------
+    def decide_before_lookup(self, request_id: str, prompt_tokens: int, local_tokens: int,
+                             lookup_tokens: int) -> Decision:
+        """Before the lookup: could loading the largest possible hit (every chunk of ``lookup_tokens``) beat
+        recomputing it? ``local_tokens``: what the engine's own prefix cache already holds."""
+        load_tokens = max(0, lookup_tokens - local_tokens)
+        recompute = self.prefill_s(local_tokens, lookup_tokens) if load_tokens else 0.0
+        look, xfer = self.lookup_s(lookup_tokens), self.transfer_s(load_tokens)
+        load = None if look is None else look + (xfer or 0.0)
+        # the lookup alone (the store's read) may already lose: then the transfer need not be known
+        known = look is not None and recompute is not None and (xfer is not None or look >= recompute)
+        rest = self.prefill_s(lookup_tokens, prompt_tokens)
+        if load_tokens == 0:
+            choice, reason = "local", "the engine's prefix cache holds every chunk the store could return: no lookup"
+        elif self.mode == "always":
+            choice, reason = "load", "mode always"
+        elif not known:
+            choice, reason = "load", "uncalibrated: load and measure"
+        elif load < recompute:  # type: ignore[operator]
+            choice, reason = "load", "load predicted faster"
+        elif self._recompute_streak + 1 >= PROBE_EVERY and time.monotonic() - self._store_seen >= PROBE_AFTER_S:
+            choice, reason = "load", (f"probe: after {PROBE_EVERY} recomputes and {PROBE_AFTER_S:g} s without a "
+                                      "measurement, the store is looked up once")
+        else:
+            choice, reason = "recompute", "recompute predicted faster"
+        d = Decision(request_id, "before_lookup", choice, reason, self.mode, prompt_tokens, local_tokens, load_tokens,
+                     load_tokens * self.kv_bytes_per_token, load, recompute)
+        if rest is not None:
+            chosen = load if choice == "load" else recompute
+            d.predicted_s = None if chosen is None else chosen + rest
+        return self._record(d)
+
+    def decide_after_lookup(self, request_id: str, prompt_tokens: int, local_tokens: int, hit_tokens: int,
+                            lookup_s: float | None) -> Decision:
+        """After the lookup answered ``hit_tokens`` (its L2 read is paid): load them, or recompute?"""
+        load_tokens = max(0, hit_tokens - local_tokens)
+        xfer = self.transfer_s(load_tokens)
+        recompute = self.prefill_s(local_tokens, local_tokens + load_tokens)
+        rest = self.prefill_s(local_tokens + load_tokens, prompt_tokens)
+        if self.mode == "always":
+            choice, reason = "load", "mode always"
+        elif xfer is None or recompute is None:
+            choice, reason = "load", "uncalibrated: load and measure"
+        elif xfer < recompute:
+            choice, reason = "load", "load predicted faster"
+        else:
+            choice, reason = "recompute", "recompute predicted faster than the transfer"
+        d = Decision(request_id, "after_lookup", choice, reason, self.mode, prompt_tokens, local_tokens, load_tokens,
+                     load_tokens * self.kv_bytes_per_token, xfer, recompute)
+        if rest is not None:
+            chosen = xfer if choice == "load" else recompute
+            d.predicted_s = None if chosen is None else (lookup_s or 0.0) + chosen + rest
+        d.observed_lookup_s = lookup_s
+        previous = self.pending.get(request_id)
+        if previous is not None:
+            d.decided_at = previous.decided_at
+        return self._record(d)
+
+    def lookup_deadline_s(self, prompt_tokens: int, local_tokens: int) -> float | None:
+        """How long a pending lookup may run before it is abandoned for a recompute: ``DEADLINE_FACTOR`` times
+        the predicted recompute (a damage limit for a store the model has not measured yet; the time waited
+        is recorded as a lower bound of the store's lookup time, so the next decision avoids it)."""
+        if self.mode != "auto":
+            return None
+        recompute = self.prefill_s(local_tokens, prompt_tokens)
+        return None if recompute is None else DEADLINE_FACTOR * recompute
+
+    def decide_deadline(self, request_id: str, prompt_tokens: int, local_tokens: int, waited_s: float) -> Decision:
+        recompute = self.prefill_s(local_tokens, prompt_tokens)
+        d = Decision(request_id, "deadline", "recompute",
+                     f"the lookup ran {waited_s:.3f} s, over {DEADLINE_FACTOR:g}x the predicted recompute", self.mode,
+                     prompt_tokens, local_tokens, 0, 0, None, recompute,
+                     predicted_s=None if recompute is None else waited_s + recompute)
+        d.observed_lookup_s = waited_s
+        previous = self.pending.get(request_id)
+        if previous is not None:
+            d.decided_at = previous.decided_at
+        # a lower bound on the store's read time: keep the estimate from staying optimistic
+        lookup_tokens = previous.load_tokens + previous.local_tokens if previous is not None else prompt_tokens
+        self.observe_lookup(lookup_tokens, waited_s)
+        return self._record(d)
+
+    def _record(self, d: Decision) -> Decision:
+        with self._lock:
+            self.pending[d.request_id] = d
+            self.counts[f"{d.phase}:{d.decision}"] += 1
+            if d.phase == "before_lookup":
+                self._recompute_streak = self._recompute_streak + 1 if d.decision == "recompute" else 0
+        self.log.info("load.decision", request_id=d.request_id, phase=d.phase, decision=d.decision, reason=d.reason,
+                      mode=d.mode, prompt_tokens=d.prompt_tokens, local_tokens=d.local_tokens,
+                      load_tokens=d.load_tokens, predicted_load_s=d.predicted_load_s,
+                      predicted_recompute_s=d.predicted_recompute_s, predicted_s=d.predicted_s)
+        return d
+
+    def outcome(self, request_id: str, *, finished_at: float | None = None, loaded_tokens: int = 0,
+                transfer_s: float | None = None) -> Decision | None:
+        """The request's prefill finished: record the observed time of the chosen path against its prediction."""
+        with self._lock:
+            d = self.pending.pop(request_id, None)
+        if d is None:
+            return None
+        d.observed_s = (finished_at or time.monotonic()) - d.decided_at
+        d.loaded_tokens = loaded_tokens
+        d.observed_transfer_s = transfer_s
+        error = d.error
+        with self._lock:
+            self.decisions.append(d.to_dict())
+            if error is not None:
+                self.abs_errors.append(abs(error))
+        self.log.info("load.outcome", request_id=d.request_id, phase=d.phase, decision=d.decision,
+                      predicted_s=d.predicted_s, observed_s=d.observed_s, error=error, loaded_tokens=loaded_tokens,
+                      observed_lookup_s=d.observed_lookup_s, observed_transfer_s=transfer_s)
+        self.save(force=True)  # once per request: a replica that exits next leaves its estimates behind
+        return d
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self.pending.pop(request_id, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            errors = sorted(self.abs_errors)
+            return {
+                "mode": self.mode,
+                "store": self.store,
+                "decisions": dict(self.counts),
+                "median_abs_error": errors[len(errors) // 2] if errors else None,
+                "estimates": self.estimates(),
+                "recent": list(self.decisions),
+            }
+
+
+def cost_file(namespace: str) -> Path:
+    return run_dir() / "cost" / f"{namespace}.json"

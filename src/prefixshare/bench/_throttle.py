@@ -1,0 +1,45 @@
+"""A deliberately slow store for benchmarks and tests: LMCache's fs L2 adapter with an added read delay.
+
+Loaded by LMCache's MP server through its ``plugin`` L2 adapter type (never imported by prefixshare itself)::
+
+    --l2-adapter '{"type": "plugin", "module_path": "prefixshare.bench._throttle",
+                   "class_name": "ThrottledFSL2Adapter",
+                   "adapter_params": {"base_path": "/dir", "chunk_delay_s": 0.05, "read_gbps": 0.2}}'
+
+Every load (L2 -> the server's memory) first sleeps ``chunk_delay_s`` per chunk plus ``bytes / read_gbps``,
+then reads the files exactly like the fs adapter (same file names: it reads what an fs tier wrote). Stores,
+lookups (file-exists checks) and deletes are the fs adapter's own. It models a store whose medium is slow —
+a congested NFS mount, a remote object store — the case in which loading loses to recomputing. Build the spec with
+:func:`prefixshare.bench._procs.throttled_store_spec` (which imports nothing of LMCache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
+
+class ThrottledFSL2Adapter(FSL2Adapter):
+    """fs L2 adapter whose loads are slowed by a per-chunk delay and/or a bandwidth cap."""
+
+    def __init__(self, params: dict[str, Any], l1_memory_desc: Any = None) -> None:
+        params = dict(params)
+        self.chunk_delay_s = float(params.pop("chunk_delay_s", 0.0))
+        gbps = params.pop("read_gbps", None)
+        self.read_bytes_per_s = float(gbps) * 1e9 if gbps else None
+        super().__init__(FSL2AdapterConfig.from_dict(params))
+
+    async def _execute_load(self, keys: list[Any], objects: list[Any], task_id: Any) -> None:  # type: ignore[override]
+        delay = self.chunk_delay_s * len(keys)
+        if self.read_bytes_per_s:
+            delay += sum(len(obj.byte_array) for obj in objects) / self.read_bytes_per_s
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await super()._execute_load(keys, objects, task_id)
+
+    def report_status(self) -> dict[str, Any]:
+        status = super().report_status()
+        status["throttle"] = {"chunk_delay_s": self.chunk_delay_s, "read_bytes_per_s": self.read_bytes_per_s}
+        return status
+

@@ -1,0 +1,99 @@
+"""``prefixshare bench [--quick]``: cross-replica prefill cost cut vs the physical limit, cost-aware loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from prefixshare.cli._common import EXIT_CHECK_FAILED, JSON_OPTION, emit_json, err, handles_errors, out
+
+
+def _lengths(value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    from prefixshare.plan import parse_prompt_lengths
+
+    return list(parse_prompt_lengths(value))
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("bench")
+    @handles_errors
+    def bench_cmd(
+        quick: bool = typer.Option(False, "--quick", help="Tiny model, short prompts, no docs page (CI; ~2 min)."),
+        out_dir: Path | None = typer.Option(None, "--out", help="Where results.json and the plots go (default: "
+                                            "docs/benchmarks; with --quick, the user cache dir)."),
+        docs: Path | None = typer.Option(None, "--docs", help="The markdown page to generate (default: "
+                                         "docs/benchmarks.md; none with --quick)."),
+        no_docs: bool = typer.Option(False, "--no-docs", help="Do not write the markdown page."),
+        lengths: str | None = typer.Option(None, "--lengths", help="Prompt lengths, e.g. 1k,2k,4k,8k."),
+        slow_lengths: str | None = typer.Option(None, "--slow-lengths", help="Lengths of P4 and P6 (default: "
+                                                "all of --lengths)."),
+        runs: int | None = typer.Option(None, "--runs", min=5, help="Repetitions per measure (medians; >= 5)."),
+        shape: str | None = typer.Option(None, "--shape", help="Model shape (prefixshare model shapes)."),
+        chunk_delay: float | None = typer.Option(None, "--throttle-chunk-delay", help="P4: seconds the throttled "
+                                                 "store adds per chunk read."),
+        check: bool = typer.Option(False, "--check", help="Exit 1 when a goal is missed."),
+        json: bool = JSON_OPTION,
+    ) -> None:
+        """Measure cold vs cross-replica warm vs local TTFT, the physical limit, the store path, cost-aware
+        loading with a throttled store, prefixshare's own overhead and pre-warm; report pass/fail per goal."""
+        import sys
+
+        from prefixshare.bench._run import Settings, run_bench
+
+        settings = Settings.for_run(
+            quick, lengths=_lengths(lengths), slow_lengths=_lengths(slow_lengths), runs=runs, shape=shape,
+            chunk_delay_s=chunk_delay, out=out_dir, docs=docs,
+        )
+        if no_docs:
+            settings.docs = None
+        settings.command = "prefixshare bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and \
+            sys.argv[1] == "bench" else "prefixshare bench" + (" --quick" if quick else "")
+
+        def log(line: str) -> None:
+            (err if json else out).print(escape(line))
+
+        results = run_bench(settings, log=log)
+        if json:
+            emit_json(results)
+        else:
+            _render(results)
+        if check and not all(g["pass"] for g in results["goals"].values()):
+            raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _render(results: dict) -> None:
+    table = Table(title="prefixshare bench: goals")
+    for col in ("goal", "measured", "target", "result"):
+        table.add_column(col)
+    g = results["goals"]
+    rows = [
+        ("P1 cold/warm", f"{g['P1']['value']:.1f}x at {g['P1']['at_tokens']}", ">= 20x", g["P1"]["pass"]),
+        ("P2 warm/limit", f"{g['P2']['value']:.1f}x (worst)", "<= 1.5x", g["P2"]["pass"]),
+        ("P3 fs L2/raw I/O", f"{g['P3']['value']:.2f}x (worst)", ">= 0.8x", g["P3"]["pass"]),
+        ("P4 throttled/cold", f"{g['P4']['value']:.2f}x (worst)", "<= 1.1x", g["P4"]["pass"]),
+        ("P5 overhead", f"{g['P5']['value_us']:.1f} us, {g['P5']['value_pct']:.3f} %", "<= 50 us, <= 1 %",
+         g["P5"]["pass"]),
+        ("P6 pre-warm/raw", f"{g['P6']['value']:.2f}x (worst)", "<= 1.1x", g["P6"]["pass"]),
+        ("KV bytes/token", f"{g['KV']['value']} vs plan {g['KV']['plan']}", "equal", g["KV"]["pass"]),
+    ]
+    for name, measured, target, ok in rows:
+        table.add_row(name, measured, target, "[green]pass[/]" if ok else "[red]MISS[/]")
+    out.print(table)
+    per = Table(title="TTFT per prompt length (median)")
+    for col in ("tokens", "cold", "warm", "local", "limit", "cold/warm", "warm/limit"):
+        per.add_column(col, justify="right")
+    for n, r in sorted(results["per_length"].items(), key=lambda kv: int(kv[0])):
+        per.add_row(n, f"{r['cold_ttft_s']['median']:.3f}", f"{r['warm_ttft_s']['median']:.3f}",
+                    f"{r['local_ttft_s']['median']:.3f}", f"{r['limit_page_cache_warm_s']:.3f}",
+                    f"{r['speedup_cold_over_warm']:.1f}x", f"{r['warm_over_limit']:.1f}x")
+    out.print(per)
+    out.print(f"results: {results['results_path']}")
+    for p in results.get("plots", []):
+        out.print(f"plot: {p}")
+    if results.get("docs_path"):
+        out.print(f"docs: {results['docs_path']}")

@@ -1,0 +1,193 @@
+"""The cost model of cost-aware loading (no engine): fits, decisions, outcomes, persistence, store identity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from prefixshare.adapters._cost import DEADLINE_FACTOR, PROBE_AFTER_S, PROBE_EVERY, CostModel, Fit, store_key
+from prefixshare.policy import Policy
+
+KVB = 24_576  # bytes per token of the "bench" shape in fp32
+
+
+def _model(mode: str = "auto", store: str = "s1", persist: bool = False) -> CostModel:
+    return CostModel("prefixshare-test", store=store, kv_bytes_per_token=KVB, chunk_size=256, mode=mode,
+                     persist=persist)
+
+
+def _calibrate(m: CostModel, *, prefill_a: float = 2e-3, prefill_b: float = 2e-7, lookup_gbps: float = 1.0,
+               transfer_gbps: float = 0.2) -> None:
+    """Feed exact observations of cost(n) = a*n + b*n^2, lookup = 5 ms + bytes/bw, transfer = 1 ms + bytes/bw."""
+    for n in (256, 512, 1024, 2048, 4096):  # (the first prefill of a process is not an observation)
+        m.observe_prefill([(0, n)], prefill_a * n + prefill_b * n * n)
+    for n in (0, 1024, 4096):
+        m.observe_lookup(n, 0.005 + n * KVB / (lookup_gbps * 1e9))
+        if n:
+            m.observe_transfer(n, 0.001 + n * KVB / (transfer_gbps * 1e9))
+
+
+def test_fit_recovers_non_negative_coefficients() -> None:
+    fit = Fit(2)
+    for x in (1.0, 2.0, 4.0, 8.0):
+        fit.observe((1.0, x), 0.01 + 0.5 * x)
+    assert fit.w == pytest.approx([0.01, 0.5], rel=1e-6)
+    neg = Fit(2)
+    for x in (1.0, 2.0, 3.0):
+        neg.observe((1.0, x), max(0.0, 1.0 - 0.1 * x))  # a negative slope is clamped to 0
+    assert neg.w is not None and min(neg.w) >= 0
+    assert neg.predict((1.0, 2.0)) == pytest.approx(0.8, rel=0.2)
+
+
+def test_one_observation_predicts_that_observation() -> None:
+    fit = Fit(2, ridge=(1e-9, 1e-6))
+    fit.observe((1.024, 1.048576), 3.0)
+    assert fit.predict((1.024, 1.048576)) == pytest.approx(3.0, rel=1e-3)
+
+
+def test_ewma_follows_a_changed_store() -> None:
+    fit = Fit(2)
+    for _ in range(10):
+        fit.observe((1.0, 4.0), 0.1)
+    for _ in range(10):
+        fit.observe((1.0, 4.0), 2.0)
+    assert fit.predict((1.0, 4.0)) == pytest.approx(2.0, rel=0.05)
+
+
+def test_the_first_prefill_of_a_process_is_not_an_observation() -> None:
+    m = _model()
+    assert not m.observe_prefill([(0, 1024)], 99.0)  # first-use costs
+    assert m.observe_prefill([(0, 1024)], 1.0) and m.prefill_s(0, 1024) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_prefill_model_is_quadratic_and_costs_the_span() -> None:
+    m = _model()
+    _calibrate(m)
+    assert m.prefill_s(0, 4096) == pytest.approx(2e-3 * 4096 + 2e-7 * 4096**2, rel=1e-3)
+    # computing 2048..4096 costs cost(4096) - cost(2048)
+    assert m.prefill_s(2048, 4096) == pytest.approx(m.prefill_s(0, 4096) - m.prefill_s(0, 2048), rel=1e-6)
+
+
+def test_uncalibrated_model_loads_to_learn() -> None:
+    d = _model().decide_before_lookup("r1", 4096, 0, 4096)
+    assert d.decision == "load" and d.reason.startswith("uncalibrated")
+    assert d.predicted_load_s is None
+
+
+def test_fast_store_loads_and_slow_store_recomputes() -> None:
+    fast = _model()
+    _calibrate(fast, lookup_gbps=5.0, transfer_gbps=1.0)
+    d = fast.decide_before_lookup("r1", 4096, 0, 4096)
+    assert d.decision == "load" and d.predicted_load_s < d.predicted_recompute_s
+    slow = _model()
+    _calibrate(slow, lookup_gbps=0.005, transfer_gbps=1.0)
+    d = slow.decide_before_lookup("r2", 4096, 0, 4096)
+    assert d.decision == "recompute" and d.predicted_load_s > d.predicted_recompute_s
+    assert d.predicted_s == pytest.approx(d.predicted_recompute_s)
+
+
+def test_after_lookup_weighs_the_transfer_only() -> None:
+    m = _model()
+    _calibrate(m, lookup_gbps=0.005, transfer_gbps=1.0)  # the L2 read is slow but already paid
+    d = m.decide_after_lookup("r1", 4096, 0, 4096, lookup_s=20.0)
+    assert d.decision == "load" and d.predicted_s > 20.0
+    m2 = _model()
+    _calibrate(m2, transfer_gbps=0.0005)  # the copy into the engine is slower than recomputing
+    assert m2.decide_after_lookup("r2", 4096, 0, 4096, lookup_s=0.1).decision == "recompute"
+
+
+def test_nothing_to_load_beyond_the_local_cache_means_no_lookup() -> None:
+    m = _model(mode="always")
+    d = m.decide_before_lookup("r1", 4100, 4096, 4096)
+    assert d.decision == "local" and d.load_tokens == 0
+
+
+def test_a_slow_lookup_alone_decides_even_without_a_transfer_estimate() -> None:
+    m = _model()
+    for n in (256, 512, 1024, 2048):
+        m.observe_prefill([(0, n)], 2e-3 * n)
+        m.observe_lookup(n, 10.0 * n / 1024)  # 10 s per 1k tokens: far slower than the prefill
+    assert m.transfer_s(1024) is None
+    d = m.decide_before_lookup("r1", 2048, 0, 2048)
+    assert d.decision == "recompute" and d.predicted_load_s > d.predicted_recompute_s
+
+
+def test_local_hits_shrink_what_a_load_can_save() -> None:
+    m = _model()
+    _calibrate(m, lookup_gbps=0.3, transfer_gbps=0.2)
+    d = m.decide_before_lookup("r1", 4096, 3840, 4096)
+    assert d.load_tokens == 256 and d.predicted_recompute_s == pytest.approx(m.prefill_s(3840, 4096))
+
+
+def test_modes_always_and_never_are_not_overridden() -> None:
+    m = _model(mode="always")
+    _calibrate(m, lookup_gbps=0.001)
+    d = m.decide_before_lookup("r1", 4096, 0, 4096)
+    assert d.decision == "load" and d.reason == "mode always" and d.predicted_load_s > d.predicted_recompute_s
+    assert m.lookup_deadline_s(4096, 0) is None
+
+
+def test_a_recomputing_model_probes_the_store_now_and_then() -> None:
+    m = _model()
+    _calibrate(m, lookup_gbps=0.001)
+    choices = [m.decide_before_lookup(f"r{i}", 4096, 0, 4096).decision for i in range(PROBE_EVERY)]
+    assert choices == ["recompute"] * PROBE_EVERY  # the store was measured just now: no probe yet
+    m._store_seen -= PROBE_AFTER_S
+    d = m.decide_before_lookup("probe", 4096, 0, 4096)
+    assert d.decision == "load" and d.reason.startswith("probe")
+    assert m.decide_before_lookup("next", 4096, 0, 4096).decision == "recompute"
+
+
+def test_outcome_records_observed_time_and_error() -> None:
+    m = _model()
+    _calibrate(m)
+    d = m.decide_before_lookup("r1", 2048, 0, 2048)
+    out = m.outcome("r1", finished_at=d.decided_at + 2 * d.predicted_s, loaded_tokens=2047, transfer_s=0.01)
+    assert out is d and d.observed_s == pytest.approx(2 * d.predicted_s) and d.error == pytest.approx(1.0)
+    snap = m.snapshot()
+    assert snap["recent"][-1]["error"] == pytest.approx(1.0) and snap["median_abs_error"] == pytest.approx(1.0)
+    assert snap["decisions"] == {"before_lookup:load": 1}
+    assert m.outcome("unknown") is None
+
+
+def test_deadline_is_the_predicted_recompute_and_records_a_lower_bound() -> None:
+    m = _model()
+    _calibrate(m, lookup_gbps=5.0)
+    m.decide_before_lookup("r1", 4096, 0, 4096)
+    assert m.lookup_deadline_s(4096, 0) == pytest.approx(DEADLINE_FACTOR * m.prefill_s(0, 4096))
+    before = m.lookup.n
+    d = m.decide_deadline("r1", 4096, 0, waited_s=9.0)
+    assert d.decision == "recompute" and d.phase == "deadline" and m.lookup.n == before + 1
+    assert m.decide_before_lookup("r2", 4096, 0, 4096).predicted_load_s > 1.0
+
+
+def test_estimates_persist_per_namespace_and_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXSHARE_CACHE_DIR", str(tmp_path))
+    m = _model(store="fast", persist=True)
+    _calibrate(m, lookup_gbps=5.0)
+    m.save(force=True)
+    assert m.path == tmp_path / "run" / "cost" / "prefixshare-test.json" and m.path.exists()
+    fresh = _model(store="fast", persist=True)
+    assert fresh.loaded_from == str(m.path) and fresh.calibrated()
+    assert fresh.prefill_s(0, 4096) == pytest.approx(m.prefill_s(0, 4096))
+    other = _model(store="slow", persist=True)  # same namespace, another store: the engine's prefill rate only
+    assert other.prefill.n == m.prefill.n and not other.calibrated()
+    other.observe_lookup(1024, 3.0)
+    other.observe_transfer(1024, 0.1)
+    other.save(force=True)
+    data = json.loads(m.path.read_text())
+    assert set(data["stores"]) == {"fast", "slow"}
+
+
+def test_store_key_ignores_the_server_address_but_not_the_tiers(tmp_path: Path) -> None:
+    def pol(path: Path, **server: object) -> Policy:
+        return Policy.build(l2=[{"type": "fs", "base_path": str(path), "create": True}],
+                            server={"port": free_port(), "http_port": free_port(), **server})
+
+    a, b = pol(tmp_path / "s"), pol(tmp_path / "s")
+    assert store_key(a) == store_key(b)  # two nodes' servers on one shared directory
+    assert store_key(a) != store_key(pol(tmp_path / "other"))
+    assert store_key(a) != store_key(pol(tmp_path / "s", extra_args=["--l2-adapter", "{}"]))
