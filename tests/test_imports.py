@@ -33,7 +33,7 @@ def test_public_api_resolves_lazily_without_engines() -> None:
 
 # Layers, lowest first: a module may import only from its own layer or a lower one.
 LAYERS = [
-    {"errors", "_log", "_paths", "_metrics"},
+    {"errors", "_log", "_paths", "_metrics", "_files"},
     {"policies", "plan"},
     {"tiers", "fingerprint"},
     {"policy"},

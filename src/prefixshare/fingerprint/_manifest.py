@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from prefixshare import __version__
+from prefixshare._files import write_private_atomic
 from prefixshare._log import get_logger
 from prefixshare.errors import FingerprintError
 from prefixshare.fingerprint._canonical import blake3_hex, canonical_json
@@ -47,8 +47,6 @@ def _logger() -> Any:
 
 MANIFEST_FORMAT = "prefixshare-manifest/1"
 MANIFEST_DIR = ".prefixshare/manifests"
-FILE_MODE = 0o640
-DIR_MODE = 0o750
 _MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 
 
@@ -112,36 +110,6 @@ def _is_local(fs: AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def _make_local_dirs(directory: Path) -> None:
-    """Create ``directory`` and missing parents below the store with mode 0o750 (umask-proof)."""
-    missing: list[Path] = []
-    current = directory
-    while not current.exists():
-        missing.append(current)
-        current = current.parent
-    for path in reversed(missing):
-        try:
-            path.mkdir(mode=DIR_MODE)
-        except FileExistsError:
-            continue
-        os.chmod(path, DIR_MODE)
-
-
-def _write_local(path: Path, data: bytes) -> None:
-    _make_local_dirs(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_manifest(
     store_url: str | os.PathLike[str], fp: Fingerprint, *, extra: dict[str, Any] | None = None
 ) -> Manifest:
@@ -169,7 +137,7 @@ def write_manifest(
     url = f"{shown}/{fp.digest}.json"
     try:
         if _is_local(fs):
-            _write_local(Path(path), data)
+            write_private_atomic(Path(path), data)
         else:
             fs.makedirs(directory, exist_ok=True)
             fs.pipe_file(path, data)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +23,11 @@ from typing import Any
 import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from prefixshare._files import write_private_atomic
 from prefixshare.errors import PrefixShareError
 
 REGISTRY_DIR = ".prefixshare/documents"
 RECORD_FORMAT = "prefixshare-document/1"
-FILE_MODE = 0o640
-DIR_MODE = 0o750
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _DIGEST = re.compile(r"^[0-9a-f]{8,64}$")
 _MAX_RECORD_BYTES = 16 * 1024 * 1024
@@ -84,33 +82,9 @@ def safe_name(doc_id: str) -> str:
     return "_" + blake3.blake3(doc_id.encode("utf-8")).hexdigest()[:40]
 
 
-def _make_dirs(directory: Path, stop: Path) -> None:
-    """Create ``directory`` (and parents up to ``stop``) with mode 0o750 whatever the umask."""
-    missing: list[Path] = []
-    current = directory
-    while not current.exists() and current != stop.parent:
-        missing.append(current)
-        current = current.parent
-    for path in reversed(missing):
-        try:
-            path.mkdir(mode=DIR_MODE)
-        except FileExistsError:
-            continue
-        os.chmod(path, DIR_MODE)
-
-
 def write_json_atomic(path: Path, data: dict[str, Any], *, root: Path) -> None:
-    _make_dirs(path.parent, root)
-    fd, tmp = tempfile.mkstemp(prefix=".rec-", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    body = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    write_private_atomic(path, body.encode("utf-8"), stop=root, fsync=False)
 
 
 @dataclass
