@@ -11,7 +11,7 @@ export LMCACHE_DISABLE_BANNER := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench lock clean services
+.PHONY: venv test test-fast demo bench bench-quick lock clean services
 
 venv: $(STAMP)
 
@@ -47,7 +47,10 @@ demo: $(STAMP)
 
 # The full benchmark (about 10 minutes on 2 CPU cores); writes docs/benchmarks.md and docs/benchmarks/.
 bench: $(STAMP)
-	$(VENV)/bin/prefixshare bench
+	$(VENV)/bin/prefixshare bench $(BENCH_ARGS)
+
+bench-quick: $(STAMP)
+	$(VENV)/bin/prefixshare bench --quick $(BENCH_ARGS)
 
 # Regenerate the lock from the current venv (run after changing dependencies, then commit it).
 lock:

@@ -74,6 +74,14 @@ def test_quick_bench_produces_sane_results(tmp_path: Path) -> None:
 
     for plot in results["plots"]:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the page can be rendered again from the results alone (nothing measured)
+    again = docs.parent / "again.md"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from prefixshare.cli import main; main()", "bench", "--render", str(out / "results.json"),
+         "--docs", str(again)], capture_output=True, text=True, timeout=300, env={**os.environ},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert again.read_text().split("## Goals")[1] == docs.read_text().split("## Goals")[1]
     page = docs.read_text()
     assert "prefixshare bench --quick" in page and m["cpu"] in page and "| P4 |" in page
     for plot in results["plots"]:

@@ -46,7 +46,8 @@ def machine() -> dict[str, Any]:
         load = None
     return {
         "cpu": cpu, "isa": sorted(f for f in flags if f in ("avx2", "avx512f", "amx_tile", "avx512_bf16")),
-        "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gb": mem_gb, "os": platform.platform(), "python": sys.version.split()[0], "versions": versions,
         "gpu": _gpu(), "load_average": [round(x, 2) for x in load] if load else None,
     }
@@ -197,8 +198,8 @@ def runtime_overhead(model_dir: Path, policy: Any, lengths: list[int], iteration
 
     settings = EngineSettings(engine="vllm", engine_version="bench", kv_layout="bench/cpu/NHD", kv_dtype="float32",
                               block_size=32, tp=1, pp=1)
-    rt = ConnectorRuntime({"prefixshare.instance": f"bench-overhead-{os.getpid()}", "prefixshare.policy": policy.to_dict()},
-                          model_dir=str(model_dir), settings=settings, role="scheduler")
+    extra = {"prefixshare.instance": f"bench-overhead-{os.getpid()}", "prefixshare.policy": policy.to_dict()}
+    rt = ConnectorRuntime(extra, model_dir=str(model_dir), settings=settings, role="scheduler")
     assert rt.cost is not None
     rt.cost.path = None  # measure the in-memory work; persisting happens at most once a second
     rt.cost.mode = "auto"

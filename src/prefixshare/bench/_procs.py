@@ -16,7 +16,8 @@ from prefixshare.errors import PrefixShareError
 THROTTLE_MODULE, THROTTLE_CLASS = "prefixshare.bench._throttle", "ThrottledFSL2Adapter"
 
 
-def throttled_store_spec(base_path: str, *, chunk_delay_s: float = 0.0, read_gbps: float | None = None) -> dict[str, Any]:
+def throttled_store_spec(base_path: str, *, chunk_delay_s: float = 0.0,
+                         read_gbps: float | None = None) -> dict[str, Any]:
     """The ``--l2-adapter`` JSON object of a deliberately slow fs store on ``base_path`` (see
     :mod:`prefixshare.bench._throttle`; building the spec imports nothing of LMCache)."""
     params: dict[str, Any] = {"base_path": base_path, "chunk_delay_s": chunk_delay_s}

@@ -233,7 +233,8 @@ class Bench:
         # B: cross-replica warm, page cache warm; then one more load (a pre-warmed document) under cProfile:
         # where a warm request's time goes, in the engine process (scheduler, worker, connector)
         steps = [{"op": "generate", "ids": warmup, "tag": "warmup"}]
-        steps += [{"op": "generate", "ids": ids, "tag": f"warm:{n}:{i}"} for n in s.lengths for i, ids in enumerate(docs[n])]
+        steps += [{"op": "generate", "ids": ids, "tag": f"warm:{n}:{i}"}
+                  for n in s.lengths for i, ids in enumerate(docs[n])]
         big = max(s.slow_lengths)
         steps.append({"op": "generate", "ids": a_steps[f"prewarm:{big}:0"]["ids"], "tag": "profiled", "profile": True,
                       "profile_top": 40})
@@ -362,7 +363,8 @@ class Bench:
                 raw_local = summary(self._series(r_steps, "rawlocal", n))
                 row["local_raw_engine_ttft_s"] = raw_local
                 # the engine's own best case (no prefixshare) at the P6 documents' length
-                row["limit_engine_page_cache_warm_s"] = raw_local["median"] + kv_bytes / (raw["read_warm_gbps"]["median"] * 1e9)
+                read_bw = raw["read_warm_gbps"]["median"] * 1e9
+                row["limit_engine_page_cache_warm_s"] = raw_local["median"] + kv_bytes / read_bw
                 row["warm_over_engine_limit"] = warm["median"] / row["limit_engine_page_cache_warm_s"]
             per_length[str(n)] = row
         cost_c = (c.get("stats") or {}).get("cost", {})
@@ -460,4 +462,21 @@ def run_bench(settings: Settings, log: Callable[[str], None] = print) -> dict[st
     shutil.rmtree(bench.work / "store", ignore_errors=True)
     shutil.rmtree(bench.work / "io", ignore_errors=True)
     shutil.rmtree(bench.work / "io-l2", ignore_errors=True)
+    return results
+
+
+def render_results(results_path: Path, docs: Path | None) -> dict[str, Any]:
+    """Plots and page again from a ``results.json`` (nothing is measured)."""
+    from prefixshare.bench._report import plots, render_markdown
+
+    results_path = results_path.resolve()
+    results = json.loads(results_path.read_text())
+    results["command"] = results["command"].strip()
+    results["plots"] = plots(results, results_path.parent)
+    results["results_path"] = str(results_path)
+    results_path.write_text(json.dumps(results, indent=1, default=str))
+    if docs is not None:
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        docs.write_text(render_markdown(results, docs))
+        results["docs_path"] = str(docs)
     return results

@@ -37,13 +37,23 @@ def register(app: typer.Typer) -> None:
         chunk_delay: float | None = typer.Option(None, "--throttle-chunk-delay", help="P4: seconds the throttled "
                                                  "store adds per chunk read."),
         check: bool = typer.Option(False, "--check", help="Exit 1 when a goal is missed."),
+        render: Path | None = typer.Option(None, "--render", help="Measure nothing: render the plots and the page "
+                                           "again from a results.json (e.g. after changing the page's layout)."),
         json: bool = JSON_OPTION,
     ) -> None:
         """Measure cold vs cross-replica warm vs local TTFT, the physical limit, the store path, cost-aware
         loading with a throttled store, prefixshare's own overhead and pre-warm; report pass/fail per goal."""
         import sys
 
-        from prefixshare.bench._run import Settings, run_bench
+        from prefixshare.bench._run import Settings, render_results, run_bench
+
+        if render is not None:
+            results = render_results(render, docs or Path("docs/benchmarks.md"))
+            if json:
+                emit_json(results)
+            else:
+                _render(results)
+            return
 
         settings = Settings.for_run(
             quick, lengths=_lengths(lengths), slow_lengths=_lengths(slow_lengths), runs=runs, shape=shape,
@@ -51,7 +61,7 @@ def register(app: typer.Typer) -> None:
         )
         if no_docs:
             settings.docs = None
-        settings.command = "prefixshare bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and \
+        settings.command = " ".join(["prefixshare", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 and \
             sys.argv[1] == "bench" else "prefixshare bench" + (" --quick" if quick else "")
 
         def log(line: str) -> None:
