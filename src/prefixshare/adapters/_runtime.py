@@ -205,6 +205,7 @@ class ConnectorRuntime:
         self._stats_path = run_dir() / "stats" / f"{self.instance}-{role}-{os.getpid()}.json"
         self._stats_path.parent.mkdir(parents=True, exist_ok=True)
         self._last_publish = 0.0
+        self._pending_publish: threading.Timer | None = None
         self._down_since: float | None = None
         self._next_probe = 0.0
         if role == "scheduler":
@@ -396,9 +397,25 @@ class ConnectorRuntime:
             "updated_at": time.time(), **data, **({"cost": self.cost.snapshot()} if self.cost is not None else {}),
         }
 
+    PUBLISH_INTERVAL_S = 0.05
+
+    def _publish_pending(self) -> None:
+        with self._lock:
+            self._pending_publish = None
+        self.publish(force=True)
+
     def publish(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_publish < 0.05:
+        wait = self.PUBLISH_INTERVAL_S - (now - self._last_publish)
+        if not force and wait > 0:
+            # Throttled: make sure the newest counters still get written once the interval has passed
+            # (otherwise the last requests of a burst would never be published).
+            with self._lock:
+                if self._pending_publish is None:
+                    timer = threading.Timer(wait, self._publish_pending)
+                    timer.daemon = True
+                    self._pending_publish = timer
+                    timer.start()
             return
         self._last_publish = now
         tmp = self._stats_path.with_suffix(f".{threading.get_ident()}.tmp")
