@@ -27,9 +27,9 @@ from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
 
-DOC_TOKENS = 1100
-#: seconds the slow store sleeps per chunk it reads (18 chunks of 64 tokens: ~9 s against a ~0.5 s prefill)
-CHUNK_DELAY_S = 0.5
+DOC_TOKENS = 1600
+#: seconds the slow store sleeps per chunk it reads (25 chunks of 64 tokens: ~10 s against a ~0.3 s prefill)
+CHUNK_DELAY_S = 0.4
 
 
 def _policy(store: Path, mode: str, *, slow: bool = False) -> Policy:
@@ -78,7 +78,7 @@ def _step(result: dict[str, Any], tag: str) -> dict[str, Any]:
 def model(work: Path) -> Path:
     from prefixshare.model import create_model
 
-    return create_model(work / "main", shape="tiny", seed=0)
+    return create_model(work / "main", shape="demo", seed=0)
 
 
 @pytest.fixture(scope="module")
