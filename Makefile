@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml $(LOCK) requirements/sglang-cpu.txt tests/env/_torchvis
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first so that nothing below can pull a CUDA build; the lock pins every other version.
 	$(PY) -m pip install -q -c $(LOCK) "torch==2.13.0"
-	$(PY) -m pip install -q -c $(LOCK) -e ".[test,vllm,model,demo,valkey]"
+	$(PY) -m pip install -q -c $(LOCK) -e ".[test,vllm,model,demo,valkey,mooncake]"
 	# CUDA-only wheels that break a CPU torch environment and that nothing here imports.
 	$(PY) -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
 	# SGLang's CPU engine in the same environment: its wheel pins a CUDA torch, so it and the few runtime
@@ -33,11 +33,14 @@ $(STAMP): pyproject.toml $(LOCK) requirements/sglang-cpu.txt tests/env/_torchvis
 test: $(STAMP) services
 	$(PY) -m pytest -ra --durations=15 $(PYTEST_ARGS)
 
-# Servers the tier tests start on loopback (a real Redis for the resp/valkey tiers). On CI a missing
-# server is an error; elsewhere those tests skip with the reason.
+# Servers the tier tests start on loopback (a real Redis for the resp/valkey tiers), and the RDMA verbs
+# library Mooncake's client links even over TCP (mooncake_store tier). On CI a missing one is an error;
+# elsewhere those tests skip with the reason.
 services:
 	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server >/dev/null; } \
 	  || { echo "redis-server could not be installed"; test -z "$$CI"; }
+	@/sbin/ldconfig -p | grep -q libibverbs.so.1 || { apt-get update -q && apt-get install -y -q libibverbs1 >/dev/null; } \
+	  || { echo "libibverbs1 could not be installed"; test -z "$$CI"; }
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -ra -m "not engine" $(PYTEST_ARGS)

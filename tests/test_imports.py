@@ -78,3 +78,29 @@ def test_imports_flow_one_way() -> None:
                 if layer is not None and layer > own:
                     violations.append(f"{module} imports {target}")
     assert not violations, violations
+
+
+# Modules that only LMCache's MP server imports (through its "plugin" L2 adapter type, by dotted path): they
+# import LMCache (and their store's client) at top level, so nothing in prefixshare may import them.
+SERVER_ONLY = {"prefixshare.tiers._mooncake_adapter", "prefixshare.bench._throttle"}
+
+
+def test_server_only_adapter_modules_are_never_imported_by_prefixshare() -> None:
+    import ast
+    from pathlib import Path
+
+    import prefixshare
+
+    root = Path(prefixshare.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        module = "prefixshare." + ".".join(path.relative_to(root).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if module not in SERVER_ONLY and SERVER_ONLY & set(names):
+                offenders.append(module)
+    assert not offenders, offenders

@@ -23,7 +23,7 @@ def _tier_examples(tmp_path: Path) -> dict[str, dict]:
         "s3": {"type": "s3", "endpoint": "kv-bucket.s3.us-east-1.amazonaws.com", "region": "us-east-1"},
         "mooncake_store": {
             "type": "mooncake_store",
-            "master_server_address": "127.0.0.1:50051",
+            "master_server_addr": "127.0.0.1:50051",
             "metadata_server": "http://127.0.0.1:8080/metadata",
             "global_segment_size": "1GiB",
         },
@@ -57,7 +57,7 @@ def test_default_policy_argv_is_accepted_by_lmcache(tmp_path: Path) -> None:
 def test_each_tier_renders_an_adapter_lmcache_parses(tmp_path: Path, kind: str) -> None:
     tier = tier_class(kind).model_validate(_tier_examples(tmp_path)[kind])
     cfg = tier.adapter_config()
-    assert cfg["type"] == kind
+    assert cfg["type"] in (kind, "plugin")
     try:
         parsed = parse_adapter(cfg)
     except (ImportError, ValueError) as exc:
@@ -70,17 +70,19 @@ def test_each_tier_renders_an_adapter_lmcache_parses(tmp_path: Path, kind: str) 
         assert parsed.startup_nodes == [("127.0.0.1", 6379), ("127.0.0.1", 6380)]
         assert parsed.cluster_mode is True
     if kind == "mooncake_store":
-        # Mooncake's own keys are forwarded verbatim; LMCache-only keys are consumed.
-        assert parsed.setup_config["master_server_address"] == "127.0.0.1:50051"
-        assert parsed.setup_config["global_segment_size"] == str(2**30)
-        assert "num_workers" not in parsed.setup_config
+        # our adapter over Mooncake's Python client, through LMCache's plug-in type; Mooncake's own key names
+        assert (parsed.module_path, parsed.class_name) == ("prefixshare.tiers._mooncake_adapter",
+                                                           "MooncakeStoreL2Adapter")
+        assert parsed.adapter_params["master_server_addr"] == "127.0.0.1:50051"
+        assert parsed.adapter_params["global_segment_size"] == 2**30
+        assert cfg["shared"] is True
 
 
 def test_full_argv_with_every_parseable_tier(tmp_path: Path) -> None:
     examples = _tier_examples(tmp_path)
-    policy = Policy.build(l2=[examples[k] for k in ("fs", "resp", "valkey", "s3")])
+    policy = Policy.build(l2=[examples[k] for k in ("fs", "resp", "valkey", "s3", "mooncake_store")])
     parsed = parse_server_argv(server_argv(policy)[4:])
-    assert len(parsed["storage"].l2_adapter_config.adapters) == 4
+    assert len(parsed["storage"].l2_adapter_config.adapters) == 5
 
 
 def test_every_preset_loads_and_renders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,6 +145,23 @@ def test_secrets_come_from_the_environment_and_are_redacted(monkeypatch: pytest.
     assert server_env(policy)["LMCACHE_RESP_PASSWORD"] == "hunter2"
     assert server_env(policy)["LMCACHE_TRACK_USAGE"] == "false"
     assert "hunter2" not in json.dumps(policy.to_dict())
+
+
+def test_mooncake_tier_probes_the_master_and_keeps_credentials_out() -> None:
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        tier = Policy.build(l2=[{"type": "mooncake_store", "master_server_addr": f"127.0.0.1:{port}",
+                                 "metadata_server": "http://10.0.0.1:8080/metadata"}]).l2[0]
+        assert tier.probe() is None  # the master's RPC port answers
+    assert f"127.0.0.1:{port} unreachable" in (tier.probe() or "")
+    assert tier.describe() == f"mooncake_store:127.0.0.1:{port}"
+    with pytest.raises(PolicyError, match=r"l2\[0\]\.metadata_server: .*contains credentials"):
+        Policy.build(l2=[{"type": "mooncake_store", "master_server_addr": "h:1",
+                          "metadata_server": "http://kv:s3cret@10.0.0.1:8080/metadata"}])
 
 
 # --- YAML, presets, keyword construction ---------------------------------------------------------------
@@ -227,6 +246,15 @@ def test_missing_directory_error_names_field_and_fix() -> None:
         ({"admission": {"min_tokenz": 5}}, "admission", "min_tokens"),
         ({"admission": {"all": [{"min_tokens": -1}]}}, "admission.all[0].min_tokens", "positive"),
         ({"bogus": 1}, "bogus", "known fields"),
+        # Mooncake ignores these keys silently (90 s of retries, nothing stored): refused with the rename
+        ({"l2": [{"type": "mooncake_store", "master_server_address": "h:1", "metadata_server": "P2PHANDSHAKE"}]},
+         "l2[0]", "rename 'master_server_address' to 'master_server_addr'"),
+        ({"l2": [{"type": "mooncake_store", "mooncake_master_server_addr": "h:1", "metadata_server": "x"}]},
+         "l2[0]", "rename 'mooncake_master_server_addr' to 'master_server_addr'"),
+        ({"l2": [{"type": "mooncake_store", "master_server_addr": "http://h:1", "metadata_server": "x"}]},
+         "l2[0].master_server_addr", "127.0.0.1:50051"),
+        ({"l2": [{"type": "mooncake_store", "master_server_addr": "h:1", "metadata_server": "http://h:2"}]},
+         "l2[0].metadata_server", "/metadata"),
     ],
 )
 def test_field_errors(fields: dict, loc: str, needle: str) -> None:

@@ -1,4 +1,4 @@
-"""Beyond one node: Valkey/Redis tiers against a real server on loopback.
+"""Beyond one node: Redis/Valkey, S3 and Mooncake Store tiers against real servers on loopback.
 
 Two MP servers ("nodes") share one Redis: KV stored through node 1 is read through node 2, bit for bit
 (raw MP client) and by a fresh vLLM replica with the cold engine's output. The store's server is then
@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,3 +215,184 @@ def test_two_nodes_share_through_s3(s3: dict[str, Any]) -> None:
         fetched = run_mp_client("fetch", node2.url)
         assert fetched.returncode == 0 and "bytes_equal = True" in fetched.stdout, fetched.stdout + fetched.stderr[-2000:]
         assert hits(run_mp_client("lookup", node2.url, model="other/model").stdout) == (0, 4)
+
+
+# --- Mooncake Store ----------------------------------------------------------------------------------------
+#
+# One mooncake_master (with its built-in HTTP metadata server) and one standalone `mooncake_client` that holds
+# the memory segment, all on loopback with random ports. The nodes' MP servers contribute no memory
+# (global_segment_size: 0), so what node 1 stored outlives node 1, as with a Redis server.
+
+
+def _mooncake_tool(name: str) -> str | None:
+    found = shutil.which(name) or str(Path(sys.executable).parent / name)
+    return found if Path(found).exists() else None
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited with code {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"{what} did not listen on {port} within {timeout} s")
+
+
+@pytest.fixture
+def mooncake(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    pytest.importorskip("mooncake.store", reason="Mooncake's client (prefixshare[mooncake], Debian libibverbs1)")
+    master, holder = _mooncake_tool("mooncake_master"), _mooncake_tool("mooncake_client")
+    if master is None or holder is None:
+        pytest.skip("mooncake_master / mooncake_client are not installed (prefixshare[mooncake])")
+    rpc, http, metrics, holder_port = (free_port() for _ in range(4))
+    metadata = f"http://127.0.0.1:{http}/metadata"
+    log = (tmp_path / "mooncake.log").open("w")
+    procs = [subprocess.Popen(
+        [master, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+         "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
+         "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"], stdout=log, stderr=subprocess.STDOUT)]
+    _wait_port(rpc, procs[0], "mooncake_master")
+    _wait_port(http, procs[0], "mooncake_master's metadata server")
+    procs.append(subprocess.Popen(
+        [holder, "--host=127.0.0.1", f"--port={holder_port}", "--global_segment_size=512MB",
+         "--local_buffer_size=16MB", f"--master_server_address=127.0.0.1:{rpc}", f"--metadata_server={metadata}",
+         "--protocol=tcp"], stdout=log, stderr=subprocess.STDOUT))
+    _wait_port(holder_port, procs[1], "mooncake_client (the segment holder)")
+    time.sleep(0.5)  # its segment is mounted right after the service starts listening
+    yield {"rpc": rpc, "metadata": metadata, "master": procs[0], "holder": procs[1]}
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+    log.close()
+
+
+def mooncake_tier(m: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    return {"type": "mooncake_store", "master_server_addr": f"127.0.0.1:{m['rpc']}", "metadata_server": m["metadata"],
+            "global_segment_size": 0, "local_buffer_size": "64MiB", **overrides}
+
+
+def mooncake_policy(m: dict[str, Any], **overrides: Any) -> Policy:
+    fields: dict[str, Any] = {"chunk_size": 32, "l1": {"size_gb": 0.1}, "l2": [mooncake_tier(m)],
+                              "server": {"port": free_port(), "http_port": free_port(), "start_timeout_s": 90}}
+    fields.update(overrides)
+    return Policy.build(**fields)
+
+
+def test_two_nodes_share_through_mooncake(mooncake: dict[str, Any]) -> None:
+    assert mooncake_policy(mooncake).l2[0].probe() is None
+    with LMCacheServer(mooncake_policy(mooncake)) as node1:
+        stored = run_mp_client("store", node1.url)
+        assert stored.returncode == 0 and "STORE ok = True" in stored.stdout, stored.stderr[-2000:]
+    # node 1 is gone: node 2 reads what the segment holder keeps
+    with LMCacheServer(mooncake_policy(mooncake)) as node2:
+        fetched = run_mp_client("fetch", node2.url)
+        assert fetched.returncode == 0 and "bytes_equal = True" in fetched.stdout, fetched.stdout + fetched.stderr[-2000:]
+        assert hits(fetched.stdout) == (4, 4)
+        assert hits(run_mp_client("lookup", node2.url, model="other/model").stdout) == (0, 4)
+
+
+class _Chunk:
+    """What the adapter uses of an LMCache MemoryObj: a buffer's bytes and address."""
+
+    def __init__(self, size: int, fill: int | None = None) -> None:
+        import ctypes
+
+        self.raw = ctypes.create_string_buffer(size)
+        if fill is not None:
+            ctypes.memset(self.raw, fill, size)
+        self.byte_array = memoryview(self.raw).cast("B")[:size]
+        self.data_ptr = ctypes.addressof(self.raw)
+
+
+def _wait_task(fd: int, query: Any, timeout: float = 60) -> Any:
+    import select
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        select.select([fd], [], [], 0.05)
+        result = query()
+        if result:
+            return result
+    raise AssertionError("adapter task did not complete")
+
+
+def test_mooncake_adapter_throughput_and_no_false_hits_without_master(mooncake: dict[str, Any]) -> None:
+    """Two adapters (two nodes' worth of clients) round-trip TOTAL_MB through the segment holder, timed; then the
+    master is killed and lookups of keys that exist must be misses (Mooncake answers -900, not 0)."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from prefixshare.tiers._mooncake_adapter import MooncakeStoreL2Adapter
+
+    params = mooncake_policy(mooncake).l2[0].adapter_config()["adapter_params"]
+    writer, reader = MooncakeStoreL2Adapter(params), MooncakeStoreL2Adapter(params)
+    try:
+        chunk_mb, total_mb = 4, 128  # 4 MiB is about one 256-token chunk of an 8B model in bf16
+        n = total_mb // chunk_mb
+        keys = [ObjectKey(chunk_hash=i.to_bytes(16, "big"), model_name="bench/m", kv_rank=0) for i in range(n)]
+        src = [_Chunk(chunk_mb << 20, fill=i) for i in range(n)]
+        started = time.perf_counter()
+        tid = writer.submit_store_task(keys, src)
+        done = _wait_task(writer.get_store_event_fd(), writer.pop_completed_store_tasks)
+        store_s = time.perf_counter() - started
+        assert done[tid].is_successful() and done[tid].bytes_transferred() == total_mb << 20
+        dst = [_Chunk(chunk_mb << 20) for _ in range(n)]
+        started = time.perf_counter()
+        tid = reader.submit_lookup_and_lock_task(keys, {})
+        found = _wait_task(reader.get_lookup_and_lock_event_fd(), lambda: reader.query_lookup_and_lock_result(tid))
+        lookup_s = time.perf_counter() - started
+        started = time.perf_counter()
+        tid = reader.submit_load_task(keys, dst)
+        got = _wait_task(reader.get_load_event_fd(), lambda: reader.query_load_result(tid))
+        load_s = time.perf_counter() - started
+        assert found.get_indices_list() == got.get_indices_list() == list(range(n))
+        assert all(bytes(d.byte_array) == bytes(s.byte_array) for d, s in zip(dst, src, strict=True))
+        print(f"FIGURES mooncake adapter (tcp, loopback, {n} x {chunk_mb} MiB): store {total_mb / store_s:.0f} MiB/s, "
+              f"lookup {lookup_s * 1e3:.1f} ms, load {total_mb / load_s:.0f} MiB/s")
+
+        mooncake["master"].kill()
+        mooncake["master"].wait()
+        started = time.perf_counter()
+        tid = reader.submit_lookup_and_lock_task(keys[:2], {})
+        found = _wait_task(reader.get_lookup_and_lock_event_fd(), lambda: reader.query_lookup_and_lock_result(tid))
+        assert found.get_indices_list() == []  # exists, but unconfirmable: a miss, never a hit
+        print(f"FIGURES mooncake master killed: lookup answered 'miss' in {time.perf_counter() - started:.2f} s")
+    finally:
+        writer.close()
+        reader.close()
+
+
+@pytest.mark.engine
+def test_vllm_replicas_on_two_nodes_share_through_mooncake_and_survive_its_master(
+    tmp_path: Path, mooncake: dict[str, Any]
+) -> None:
+    from prefixshare.model import create_model
+
+    model = create_model(tmp_path / "m", shape="tiny", seed=0)
+    docs = [document_ids(model, seed, 600) for seed in (41, 42, 43, 44)]
+    cold = run_replica(tmp_path, "cold", model, None, [{"prompt_token_ids": p} for p in docs])["results"]
+    with LMCacheServer(mooncake_policy(mooncake, chunk_size=64, load={"timeout_s": 2.0})) as node1:
+        run_replica(tmp_path, "a", model, node1.policy, [{"prompt_token_ids": docs[0]}])
+    with LMCacheServer(mooncake_policy(mooncake, chunk_size=64, load={"timeout_s": 2.0})) as node2:
+        out = run_replica(tmp_path, "b", model, node2.policy, [{"prompt_token_ids": p} for p in docs],
+                          kill_before={"1": mooncake["master"].pid})
+    b = out["results"]
+    assert b[0]["num_cached_tokens"] >= 576 and same_output(b[0], cold[0])  # through Mooncake, from node 1
+    # master killed before the second request: every later request is answered like a cold engine. Mooncake's
+    # client answers the first lookup at once (-900: a miss), then blocks ~4 s per call while it retries: that
+    # lookup outlives load.timeout_s once, the health gate probes the master and skips the tier from then on.
+    for got, want in zip(b[1:], cold[1:], strict=True):
+        assert got["num_cached_tokens"] == 0 and same_output(got, want)
+        assert got["seconds"] <= want["seconds"] + 2.0 + 5.0, (got["seconds"], want["seconds"])
+    down = [e for e in out["events"] if e.get("event") == "store.down"]
+    assert down and all("mooncake_store" in e["probe"] for e in down), down
+    assert b[3]["seconds"] <= cold[3]["seconds"] + 1.5, (b[3]["seconds"], cold[3]["seconds"])
+    print("FIGURES mooncake: doc cold {:.3f}s -> via node 2 {:.3f}s; master killed: ".format(
+        cold[0]["seconds"], b[0]["seconds"]) + ", ".join(
+        f"cold {w['seconds']:.3f}s -> {g['seconds']:.3f}s" for g, w in zip(b[1:], cold[1:], strict=True)))

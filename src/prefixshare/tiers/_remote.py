@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from prefixshare.policies import parse_size
 from prefixshare.tiers._base import LegacyRemote, TierConfig, problem, tcp_probe
@@ -72,73 +73,117 @@ class S3Tier(TierConfig):
         return f"s3:{self.endpoint}"
 
 
+#: the L2 adapter LMCache's MP server loads for the mooncake_store tier (through its "plugin" type); only the
+#: server process imports that module.
+MOONCAKE_ADAPTER_MODULE = "prefixshare.tiers._mooncake_adapter"
+MOONCAKE_ADAPTER_CLASS = "MooncakeStoreL2Adapter"
+#: keys for the master's address that Mooncake ignores silently (then ~90 s of retries, and nothing stored)
+_WRONG_MASTER_KEYS = ("master_server_address", "mooncake_master_server_addr")
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
 class MooncakeStoreTier(TierConfig):
     type: Literal["mooncake_store"] = "mooncake_store"
     summary = "Mooncake Store: a distributed KV store over a transfer engine (TCP or RDMA)"
     requires_module = "mooncake.store"
     requires_extra = "mooncake"
 
-    master_server_address: str = Field(description="host:port of mooncake_master's RPC port")
-    metadata_server: str = Field(description="e.g. http://host:port/metadata (the master's HTTP metadata)")
-    local_hostname: str = "127.0.0.1"
+    # Field names are Mooncake's own setup keys (they reach MooncakeDistributedStore.setup verbatim).
+    master_server_addr: str = Field(description="host:port of mooncake_master's RPC port")
+    metadata_server: str = Field(description="http://host:port/metadata (the master's HTTP metadata server), "
+                                             "etcd host:port, or P2PHANDSHAKE")
+    local_hostname: str = Field("127.0.0.1", description="this node's address as the other nodes reach it")
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field("", description="RDMA device(s), e.g. mlx5_0; empty for tcp")
-    global_segment_size: int = Field(4 * 2**30, gt=0, description="bytes this node contributes")
+    global_segment_size: int = Field(4 * 2**30, ge=0, description="bytes of memory this node's server "
+                                     "contributes to the store; 0 = none (objects rest in other nodes' or "
+                                     "dedicated mooncake_client processes' segments)")
     local_buffer_size: int = Field(1 * 2**30, gt=0, description="bytes of local transfer buffer")
-    num_workers: int = Field(4, gt=0)
+    num_workers: int = Field(4, gt=0, description="adapter threads running Mooncake calls")
+    connect_timeout_s: float = Field(10.0, gt=0, description="how long the server waits for the master at start")
 
     _sizes = field_validator("global_segment_size", "local_buffer_size", mode="before")(_size)
 
-    @field_validator("master_server_address")
+    @model_validator(mode="before")
+    @classmethod
+    def _master_key(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for wrong in _WRONG_MASTER_KEYS:
+                if wrong in data:
+                    raise problem(
+                        f"'{wrong}' is not the key Mooncake reads: it would be ignored silently "
+                        "(about 90 s of retries against a default master, then nothing stored)",
+                        f"rename '{wrong}' to 'master_server_addr'",
+                    )
+        return data
+
+    @field_validator("master_server_addr")
     @classmethod
     def _addr(cls, value: str) -> str:
         host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise problem("is not host:port", "e.g. 127.0.0.1:50051")
+        if "://" in value or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise problem("is not host:port", "write the master's RPC address, e.g. 127.0.0.1:50051")
+        return value
+
+    @field_validator("metadata_server")
+    @classmethod
+    def _metadata(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if "@" in parts.netloc:
+            # a policy never holds secrets (and the URL would reach the server's argv)
+            raise problem("contains credentials (user:password@)",
+                          "remove them; give the metadata server its access control outside the URL")
+        if parts.scheme in ("http", "https") and not parts.path.strip("/"):
+            raise problem("has no path", "add the metadata path, e.g. http://127.0.0.1:8080/metadata")
         return value
 
     def _adapter_fields(self) -> dict[str, Any]:
-        # Everything but num_workers is forwarded verbatim to Mooncake's setup (its own key names).
         return {
-            "master_server_address": self.master_server_address,
-            "metadata_server": self.metadata_server,
-            "local_hostname": self.local_hostname,
-            "protocol": self.protocol,
-            "rdma_devices": self.device_name or None,
-            "global_segment_size": self.global_segment_size,
-            "local_buffer_size": self.local_buffer_size,
-            "num_workers": self.num_workers,
+            "module_path": MOONCAKE_ADAPTER_MODULE,
+            "class_name": MOONCAKE_ADAPTER_CLASS,
+            "adapter_params": {
+                "master_server_addr": self.master_server_addr,
+                "metadata_server": self.metadata_server,
+                "local_hostname": self.local_hostname,
+                "protocol": self.protocol,
+                **({"rdma_devices": self.device_name} if self.device_name else {}),
+                "global_segment_size": self.global_segment_size,
+                "local_buffer_size": self.local_buffer_size,
+                "num_workers": self.num_workers,
+                "connect_timeout_s": self.connect_timeout_s,
+            },
         }
 
-    def adapter_config(self) -> dict[str, Any]:
-        cfg = super().adapter_config()
-        # LMCache forwards unknown keys to Mooncake as setup keys; keep only Mooncake's and LMCache's own.
-        cfg.pop("shared", None)
-        cfg.pop("persist_enabled", None)
-        return cfg
+    def lmcache_type(self) -> str:
+        return "plugin"
 
     def legacy(self) -> LegacyRemote:
         return LegacyRemote(
-            remote_url=f"mooncakestore://{self.master_server_address}/",
+            remote_url=f"mooncakestore://{self.master_server_addr}/",
             extra_config={
                 "local_hostname": self.local_hostname,
                 "metadata_server": self.metadata_server,
-                # The in-process engine reads this key; the documented master_server_address is ignored
-                # there (silent 90 s of retries, then nothing stored).
-                "mooncake_master_server_addr": self.master_server_address,
+                # The in-process engine reads this key (not Mooncake's master_server_addr, nor the documented
+                # master_server_address, which it ignores silently: 90 s of retries, then nothing stored).
+                "mooncake_master_server_addr": self.master_server_addr,
                 "protocol": self.protocol,
                 "device_name": self.device_name,
                 "global_segment_size": self.global_segment_size,
                 "local_buffer_size": self.local_buffer_size,
             },
+            notes=["the in-process engine counts is_exist errors as hits when the master is down (false hits)"],
         )
 
     def probe(self, timeout_s: float = 0.25) -> str | None:
-        host, _, port = self.master_server_address.rpartition(":")
-        return tcp_probe(host, int(port), timeout_s)
+        host, port = _host_port(self.master_server_addr)
+        return tcp_probe(host, port, timeout_s)
 
     def describe(self) -> str:
-        return f"mooncake_store:{self.master_server_address}"
+        return f"mooncake_store:{self.master_server_addr}"
 
 
 class NixlStoreTier(TierConfig):
