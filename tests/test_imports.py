@@ -82,7 +82,7 @@ def test_imports_flow_one_way() -> None:
 
 # Modules that only LMCache's MP server imports (through its "plugin" L2 adapter type, by dotted path): they
 # import LMCache (and their store's client) at top level, so nothing in prefixshare may import them.
-SERVER_ONLY = {"prefixshare.tiers._mooncake_adapter", "prefixshare.bench._throttle"}
+SERVER_ONLY = {"prefixshare.tiers._mooncake_adapter", "prefixshare.tiers._fs_adapter", "prefixshare.bench._throttle"}
 
 
 def test_server_only_adapter_modules_are_never_imported_by_prefixshare() -> None:

@@ -49,8 +49,18 @@ def test_default_policy_argv_is_accepted_by_lmcache(tmp_path: Path) -> None:
     assert mp.supported_transfer_mode == "auto"
     assert parsed["http"].http_port == policy.server.http_port
     adapters = storage.l2_adapter_config.adapters
-    assert len(adapters) == 1 and adapters[0].base_path == str(tmp_path)
-    assert adapters[0].shared is True
+    # the fs tier runs as prefixshare's checked fs adapter (integrity data), through LMCache's plugin type
+    assert len(adapters) == 1 and adapters[0].adapter_params == {"base_path": str(tmp_path)}
+    assert (adapters[0].module_path, adapters[0].class_name) == ("prefixshare.tiers._fs_adapter", "CheckedFSL2Adapter")
+    assert adapters[0].shared is True and adapters[0].persist_config.persist_enabled is True
+
+
+def test_fs_tier_without_integrity_is_lmcaches_own_adapter(tmp_path: Path) -> None:
+    policy = Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path), "integrity": "none", "use_odirect": True}])
+    [adapter] = parse_server_argv(server_argv(policy)[4:])["storage"].l2_adapter_config.adapters
+    assert adapter.base_path == str(tmp_path) and adapter.use_odirect is True
+    with pytest.raises(PolicyError, match="use_odirect cannot be combined with integrity checks"):
+        Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path), "use_odirect": True}])
 
 
 @pytest.mark.parametrize("kind", ["fs", "resp", "valkey", "s3", "mooncake_store", "nixl_store"])
@@ -65,7 +75,7 @@ def test_each_tier_renders_an_adapter_lmcache_parses(tmp_path: Path, kind: str) 
             pytest.skip(f"LMCache cannot load its {kind} adapter here: {exc}")
         raise
     if kind == "fs":
-        assert parsed.base_path == str(tmp_path) and parsed.read_ahead_size == 1 << 20
+        assert parsed.adapter_params == {"base_path": str(tmp_path), "read_ahead_size": 1 << 20}
     if kind == "valkey":
         assert parsed.startup_nodes == [("127.0.0.1", 6379), ("127.0.0.1", 6380)]
         assert parsed.cluster_mode is True
@@ -102,7 +112,9 @@ def test_legacy_config_is_accepted_by_lmcache(tmp_path: Path) -> None:
 
     policy = Policy.build(chunk_size=128, l1={"size_gb": 0.5}, l2=[{"type": "fs", "base_path": str(tmp_path)}])
     cfg = legacy_config(policy)
-    assert cfg.pop("_notes") == []
+    # what the in-process path cannot do is said, not dropped silently
+    assert cfg.pop("_notes") == ["the in-process engine's fs connector writes and loads chunks without integrity "
+                                 "checks"]
     unknown = set(cfg) - set(LMCacheEngineConfig._config_definitions)
     assert not unknown, f"LMCache would drop these keys with only a warning: {unknown}"
     engine_cfg = LMCacheEngineConfig.from_dict(cfg)

@@ -268,3 +268,29 @@ def test_doctor_against_a_running_server(tmp_path: Path) -> None:
     assert by_name["hashing"].data == {"policy": "blake3", "server": "blake3"}
     telemetry = by_name["telemetry"]
     assert telemetry.status in ("ok", "warn") and "running server reports" not in telemetry.message
+
+
+def test_damaged_chunks_are_reported_by_doctor_and_removed_by_gc(populated: dict[str, Any]) -> None:
+    """A chunk the server set aside on load (``*.data.corrupt``) is always garbage; with verify, every chunk
+    of a checked fs tier that fails its digest (these test chunks carry no integrity data) is listed too."""
+    from prefixshare.policy import Policy
+
+    store = populated["store"]
+    policy = Policy.from_yaml(str(populated["policy_file"]))
+    victim = populated["files"]["mid"][0]
+    set_aside = victim.with_name(victim.name + ".corrupt")
+    victim.rename(set_aside)
+    quick = next(c for c in doctor(policy).checks if c.name == "integrity")
+    assert quick.status == "warn"
+    assert sorted((d["kind"], d["reason"] if d["kind"] == "chunk" else "") for d in quick.data["damaged"]) == [
+        ("chunk", "quarantined"), ("manifest", ""), ("record", "")]  # the fixture's corrupt manifest and record
+    plan = plan_gc(policy, verify=False)
+    assert [d.path for d in plan.deletions if d.reason == "damaged:quarantined"] == [str(set_aside)]
+    verified = plan_gc(policy, verify=True)
+    unverified = {d.path for d in verified.deletions if d.reason == "damaged:unverified"}
+    ours = {str(p) for k in ("old", "mid", "new") for p in populated["files"][k] if p != victim}
+    assert unverified == ours  # foreign namespaces (plain LMCache users) are never judged or touched
+    run_gc(plan)
+    assert not set_aside.exists() and populated["files"]["foreign"][0].exists()
+    after = next(c for c in doctor(policy).checks if c.name == "integrity")
+    assert after.status == "ok" and after.data["damaged"] == []

@@ -99,15 +99,22 @@ def test_sglang_admission_and_tenants(replica_a: dict[str, Any], replica_b: dict
     assert same["storage_tokens"] >= 576 and same_output(same, cold["tenant"])
 
 
-def test_sglang_corrupted_chunks_change_the_output(
+def test_sglang_corrupted_chunks_change_the_output_unless_checked(
     work: Path, models: dict[str, Path], prompts: dict[str, list[int]], store: Path, replica_a: dict[str, Any],
     cold: dict[str, Any],
 ) -> None:
+    """Without integrity checks the noisy KV is loaded and changes the answer (the KV is really used); with them
+    (the default) it is refused and SGLang answers like a cold engine."""
     bad = corrupt_copy(store, work / "corrupt-store")
-    with LMCacheServer(policy_for(bad)) as srv:
+    unchecked = policy_for(bad, l2=[{"type": "fs", "base_path": str(bad), "integrity": "none"}])
+    with LMCacheServer(unchecked) as srv:
         result = run_replica(work, "sgl-corrupt", models["main"], srv.policy, [req(prompts["doc"])], **SGL)
     loaded = result["results"][0]
     assert loaded["storage_tokens"] >= 0.9 * DOC_TOKENS and not same_output(loaded, cold["doc"])
+    with LMCacheServer(policy_for(bad)) as srv:
+        checked = run_replica(work, "sgl-corrupt-checked", models["main"], srv.policy, [req(prompts["doc"])], **SGL)
+    refused = checked["results"][0]
+    assert refused["storage_tokens"] == 0 and same_output(refused, cold["doc"])
 
 
 def test_sglang_store_down_means_recompute(

@@ -130,16 +130,21 @@ def test_two_nodes_on_one_shared_directory(
     assert result["num_cached_tokens"] >= 0.9 * DOC_TOKENS and same_output(result, cold["doc"])
 
 
-def test_corrupted_chunks_change_the_output(
+def test_corrupted_chunks_change_the_output_unless_checked(
     work: Path, models: dict[str, Path], prompts: dict[str, list[int]], store: Path, replica_a: dict[str, Any],
     cold: dict[str, Any],
 ) -> None:
-    """Negative control: the loaded KV is really used (noise in the stored bytes changes the answer)."""
+    """Negative control: the loaded KV is really used (noise in the stored bytes changes the answer) — on a tier
+    without integrity checks. With them (the default) the same damage is refused: nothing loaded, cold answer."""
     bad = corrupt_copy(store, work / "corrupt-store")
-    with LMCacheServer(policy_for(bad)) as server:
+    unchecked = policy_for(bad, l2=[{"type": "fs", "base_path": str(bad), "integrity": "none"}])
+    with LMCacheServer(unchecked) as server:
         result = run_replica(work, "corrupt", models["main"], server.policy, [req(prompts["doc"])])["results"][0]
     assert result["num_cached_tokens"] >= 0.9 * DOC_TOKENS  # same hits...
     assert not same_output(result, cold["doc"])  # ...different answer
+    with LMCacheServer(policy_for(bad)) as server:
+        checked = run_replica(work, "corrupt-checked", models["main"], server.policy, [req(prompts["doc"])])
+    assert checked["results"][0]["num_cached_tokens"] == 0 and same_output(checked["results"][0], cold["doc"])
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from typing import Any
 from prefixshare.bench._micro import fs_l2_io, machine, raw_io, runtime_overhead, summary
 from prefixshare.bench._procs import run_replica
 from prefixshare.bench._procs import throttled_store_spec
+from prefixshare.tiers._integrity import payload_size
 
 #: the goals the project holds itself to (issue #6); "max" goals are upper bounds, "min" lower bounds
 GOALS: dict[str, dict[str, Any]] = {
@@ -299,7 +300,7 @@ class Bench:
         return self._tok.decode(ids)
 
     def _kv_bytes_per_token(self) -> dict[str, Any]:
-        sizes = [p.stat().st_size for p in self.store.glob("prefixshare-*.data")]
+        sizes = [payload_size(p) for p in self.store.glob("prefixshare-*.data")]  # KV bytes, not the trailer
         chunk = statistics.median(sizes) / self.s.chunk_size if sizes else None
         return {"files": len(sizes), "median_file_bytes": statistics.median(sizes) if sizes else None,
                 "bytes_per_token": chunk, "all_files_equal": len(set(sizes)) == 1 if sizes else None}

@@ -7,8 +7,8 @@ Loaded by LMCache's MP server through its ``plugin`` L2 adapter type (never impo
                    "adapter_params": {"base_path": "/dir", "chunk_delay_s": 0.05, "read_gbps": 0.2}}'
 
 Every load (L2 -> the server's memory) first sleeps ``chunk_delay_s`` per chunk plus ``bytes / read_gbps``,
-then reads the files exactly like the fs adapter (same file names: it reads what an fs tier wrote). Stores,
-lookups (file-exists checks) and deletes are the fs adapter's own. It models a store whose medium is slow —
+then reads and checks the files exactly like the fs tier's adapter (it reads what an fs tier wrote). Stores,
+lookups (file-exists checks) and deletes are the fs tier's own. It models a store whose medium is slow —
 a congested NFS mount, a remote object store — the case in which loading loses to recomputing. Build the spec with
 :func:`prefixshare.bench._procs.throttled_store_spec` (which imports nothing of LMCache).
 """
@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
+from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
 
-class ThrottledFSL2Adapter(FSL2Adapter):
-    """fs L2 adapter whose loads are slowed by a per-chunk delay and/or a bandwidth cap."""
+from prefixshare.tiers._fs_adapter import CheckedFSL2Adapter
+
+class ThrottledFSL2Adapter(CheckedFSL2Adapter):
+    """prefixshare's (checked) fs L2 adapter whose loads are slowed by a per-chunk delay and/or a bandwidth cap."""
 
     def __init__(self, params: dict[str, Any], l1_memory_desc: Any = None) -> None:
         params = dict(params)

@@ -19,9 +19,12 @@ def register(app: typer.Typer) -> None:
         policy: Path = typer.Option(..., "--policy", "-p", help="Policy YAML file."),
         model: Path | None = typer.Option(None, "--model", "-m", help="Local model directory to compare with the "
                                           "store's fingerprints."),
+        verify: bool = typer.Option(False, "--verify", help="Read every chunk of the store and check its digest "
+                                    "(damaged chunks are listed; gc --verify removes them)."),
         json: bool = JSON_OPTION,
     ) -> None:
-        """Check this node: versions, server, store, model vs store fingerprints, hashing, telemetry.
+        """Check this node: versions, server, store, damaged objects, model vs store fingerprints, hashing,
+        telemetry.
 
         Ends with one verdict line. Exit 0 when the node is ready (warnings allowed), 1 when a check fails,
         2 on bad input."""
@@ -31,7 +34,7 @@ def register(app: typer.Typer) -> None:
         loaded = Policy.from_yaml(str(policy))
         if model is not None and not (model / "config.json").is_file():
             raise fail(f"--model {model}: not a model directory (no config.json)", EXIT_BAD_INPUT)
-        report = doctor(loaded, model=str(model.resolve()) if model is not None else None)
+        report = doctor(loaded, model=str(model.resolve()) if model is not None else None, verify=verify)
         if json:
             emit_json(report.to_dict())
         else:

@@ -89,20 +89,23 @@ def register(app: typer.Typer) -> None:
                                        "(e.g. 7d, 12h)."),
         max_bytes: str | None = typer.Option(None, "--max-bytes", help="Then delete the oldest chunks until the "
                                              "store holds at most this (e.g. 50G, 50GB, 512MiB)."),
+        verify: bool = typer.Option(False, "--verify", help="Also read every chunk, check its digest and delete "
+                                    "the damaged ones."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be deleted; delete nothing."),
         json: bool = JSON_OPTION,
     ) -> None:
-        """Prune the store: chunks older than --ttl, then the oldest until under --max-bytes.
+        """Prune the store: damaged chunks, chunks older than --ttl, then the oldest until under --max-bytes.
 
         Whole documents go together (their newest chunk dates them); registry records of documents that lost
-        chunks and corrupt manifests/records go too. --dry-run lists exactly what gc deletes."""
+        chunks, corrupt manifests/records and chunks the server set aside as damaged go too (with --verify,
+        every chunk failing its integrity check). --dry-run lists exactly what gc deletes."""
         from prefixshare.store import plan_gc, run_gc
 
-        if ttl is None and max_bytes is None:
-            raise fail("give --ttl and/or --max-bytes", EXIT_BAD_INPUT)
+        if ttl is None and max_bytes is None and not verify:
+            raise fail("give --ttl, --max-bytes and/or --verify", EXIT_BAD_INPUT)
         ttl_s = parse_duration_arg(ttl) if ttl is not None else None
         limit = parse_size_arg(max_bytes) if max_bytes is not None else None
-        plan = plan_gc(_load(policy), ttl_s=ttl_s, max_bytes=limit)
+        plan = plan_gc(_load(policy), ttl_s=ttl_s, max_bytes=limit, verify=verify)
         if dry_run:
             data = {**plan.to_dict(), "dry_run": True}
             if json:
@@ -163,7 +166,7 @@ def _print_plan(plan: Any, *, dry_run: bool) -> None:
     verb = "would delete" if dry_run else "deleted"
     counts = plan.counts()
     for d in plan.deletions:
-        what = f"{d.kind:8} {d.reason:11}"
+        what = f"{d.kind:8} {d.reason:22}"
         size = f" {_size(d.bytes)}" if d.bytes else ""
         out.print(f"{verb} {what} {escape(d.path)}{size}")
     out.print(f"{verb}: {counts.get('chunk', 0)} chunk files ({_size(plan.bytes_freed)}), "

@@ -129,15 +129,20 @@ class LMCacheServer:
         if want.server.transfer_mode != "auto" and mode not in (None, "auto", want.server.transfer_mode):
             problems.append(f"transfer mode {mode} (policy: {want.server.transfer_mode})")
         types = [a.get("type_name") for a in running["adapters"] if a.get("tier", "l2") == "l2"]
-        wanted = [t.lmcache_type() for t in want.l2]
+        rendered = [t.adapter_config() for t in want.l2]
+        wanted = [r["type"] for r in rendered]
         if types != wanted:
             problems.append(f"L2 tiers {types} (policy: {wanted})")
         else:
             configs = running["config"].get("storage_manager", {}).get("l2_adapter_config", {}).get("adapters", [])
-            for tier, cfg in zip(want.l2, configs, strict=False):
+            for tier, spec, cfg in zip(want.l2, rendered, configs, strict=False):
+                # a plugin adapter (e.g. the fs tier with integrity checks) nests its fields
+                if spec["type"] == "plugin" and cfg.get("class_name") != spec["class_name"]:
+                    problems.append(f"{tier.type} adapter {cfg.get('class_name')} (policy: {spec['class_name']})")
+                have = cfg.get("adapter_params") or cfg
                 path = getattr(tier, "base_path", None)
-                if path is not None and cfg.get("base_path") != path:
-                    problems.append(f"{tier.type} base_path {cfg.get('base_path')} (policy: {path})")
+                if path is not None and have.get("base_path") != path:
+                    problems.append(f"{tier.type} base_path {have.get('base_path')} (policy: {path})")
         return problems
 
     # --- lifecycle ----------------------------------------------------------------------------

@@ -216,6 +216,39 @@ def _loose_files(directory: Path) -> list[str]:
     return loose
 
 
+def check_integrity(report: DoctorReport, policy: Policy, *, verify: bool) -> None:
+    """Damaged objects: chunks the server set aside on load, with ``verify`` every chunk whose integrity
+    check fails, and manifests or registry records that fail their checksums."""
+    from prefixshare.fingerprint import read_manifests
+    from prefixshare.store._inspect import damaged_chunks
+    from prefixshare.warm import Registry
+
+    if not any(getattr(t, "type", None) == "fs" for t in policy.l2):
+        return
+    unchecked = [t.describe() for t in policy.l2 if getattr(t, "integrity", None) == "none"]
+    damaged = damaged_chunks(policy, verify=verify)
+    root = store_root(policy)
+    manifests = read_manifests(str(root)).corrupt if root is not None and root.is_dir() else []
+    records = Registry(root).records().corrupt if root is not None and root.is_dir() else []
+    objects = [{"path": str(d.path), "kind": "chunk", "reason": d.verdict, "bytes": d.bytes} for d in damaged]
+    objects += [{"path": m.url, "kind": "manifest", "reason": m.reason} for m in manifests]
+    objects += [{"path": r.path, "kind": "record", "reason": r.reason} for r in records]
+    how = "every chunk's digest verified" if verify else "quarantined chunks only (--verify reads every chunk)"
+    if objects:
+        kinds = ", ".join(f"{n} {k}{'s' if n != 1 else ''}" for k, n in
+                          sorted({k: sum(1 for o in objects if o["kind"] == k) for k in
+                                  {o["kind"] for o in objects}}.items()))
+        shown = "; ".join(f"{Path(o['path']).name} ({o['reason']})" for o in objects[:5])
+        report.add("integrity", WARN, f"{len(objects)} damaged objects ({kinds}), never loaded: {shown}"
+                   + (" ..." if len(objects) > 5 else ""), "remove them: prefixshare store gc --verify --policy FILE",
+                   damaged=objects, verified=verify)
+    elif unchecked:
+        report.add("integrity", WARN, f"no integrity checks on {', '.join(unchecked)}: a damaged chunk would be "
+                   "loaded as it is", "set integrity: blake3 on the tier (the default)", verified=verify)
+    else:
+        report.add("integrity", OK, f"no damaged objects ({how})", damaged=[], verified=verify)
+
+
 def check_fingerprint(report: DoctorReport, policy: Policy, model: str | None) -> None:
     """The local model's fingerprint against every manifest in the store, with each writer's engine settings
     (so the comparison shows whether this model could read what is there)."""
@@ -230,9 +263,6 @@ def check_fingerprint(report: DoctorReport, policy: Policy, model: str | None) -
         report.add("fingerprint", INFO, "not checked: the policy has no directory tier to hold manifests")
         return
     manifests = read_manifests(str(root))
-    for bad in manifests.corrupt:
-        report.add("fingerprint", WARN, f"corrupt manifest {bad.url}: {bad.reason}",
-                   "delete it (prefixshare gc removes corrupt manifests)")
     if not manifests:
         report.add("fingerprint", INFO, f"the store {root} holds no manifests yet (nothing was written to it)")
         return
@@ -309,12 +339,13 @@ def _server_environ(policy: Policy) -> dict[str, str] | None:
     return env
 
 
-def doctor(policy: Policy, *, model: str | None = None) -> DoctorReport:
+def doctor(policy: Policy, *, model: str | None = None, verify: bool = False) -> DoctorReport:
     report = DoctorReport()
     check_versions(report)
     running = check_server(report, policy)
     check_hashing(report, policy, running)
     check_store(report, policy)
+    check_integrity(report, policy, verify=verify)
     check_fingerprint(report, policy, model)
     check_telemetry(report, running, policy)
     return report

@@ -13,7 +13,9 @@ What is deleted:
   registered document;
 * LMCache's temporary files older than the TTL (writes that never finished);
 * registry records of documents that lost a chunk (no longer fully warm: warm them again), and registry
-  records or manifests that cannot be read (corrupt).
+  records or manifests that cannot be read (corrupt);
+* damaged chunks: files the server set aside on load (``*.data.corrupt``) always, and with ``verify`` every
+  chunk file that fails its integrity check (``prefixshare doctor --verify`` lists the same files).
 
 Files of other namespaces (plain LMCache users sharing the directory) are never touched.
 """
@@ -28,7 +30,7 @@ from typing import Any
 
 from prefixshare.fingerprint import read_manifests
 from prefixshare.policy import Policy
-from prefixshare.store._inspect import NAMESPACE_PREFIX, StoredFile, scan_store
+from prefixshare.store._inspect import NAMESPACE_PREFIX, StoredFile, damaged_chunks, scan_store
 from prefixshare.warm import Registry, store_root
 
 #: temporary files younger than this are writes in progress, whatever the TTL
@@ -39,7 +41,7 @@ MIN_TMP_AGE_S = 3600.0
 class Deletion:
     path: str
     kind: str  # "chunk", "tmp", "record", "manifest"
-    reason: str  # "ttl", "max_bytes", "stale_tmp", "chunks_gone", "corrupt"
+    reason: str  # "ttl", "max_bytes", "stale_tmp", "chunks_gone", "corrupt", "damaged:<verdict>"
     bytes: int = 0
     mtime: float | None = None
     namespace: str | None = None
@@ -87,12 +89,18 @@ class GcResult:
 
 
 def plan_gc(policy: Policy, *, ttl_s: float | None = None, max_bytes: int | None = None,
-            now: float | None = None, namespaces: list[str] | None = None) -> GcPlan:
+            now: float | None = None, namespaces: list[str] | None = None, verify: bool = False) -> GcPlan:
     """What gc would delete from the policy's store (nothing is touched)."""
     now = time.time() if now is None else now
     root = store_root(policy)
     scan = scan_store(policy)
     plan = GcPlan(str(root) if root is not None else None, ttl_s, max_bytes, now)
+    damaged = [d for d in damaged_chunks(policy, verify=verify, scan=scan)
+               if namespaces is None or d.namespace in namespaces]
+    for d in damaged:
+        plan.deletions.append(Deletion(str(d.path), "chunk", f"damaged:{d.verdict}", d.bytes, d.mtime, d.namespace))
+    gone_damaged = {d.path for d in damaged}
+    scan.chunks = [f for f in scan.chunks if f.path not in gone_damaged]
 
     def ours(f: StoredFile) -> bool:
         assert f.chunk is not None
@@ -100,7 +108,7 @@ def plan_gc(policy: Policy, *, ttl_s: float | None = None, max_bytes: int | None
         return ns.startswith(NAMESPACE_PREFIX) and (namespaces is None or ns in namespaces)
 
     candidates = sorted((f for f in scan.chunks if ours(f)), key=lambda f: (f.mtime, f.path.name))
-    plan.bytes_before = sum(f.size for f in candidates)
+    plan.bytes_before = sum(f.size for f in candidates) + sum(d.bytes for d in damaged)
     keep: list[StoredFile] = []
     for f in candidates:
         if ttl_s is not None and now - f.mtime > ttl_s:

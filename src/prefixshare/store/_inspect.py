@@ -14,6 +14,7 @@ from typing import Any
 from prefixshare.adapters._runtime import namespace as namespace_of
 from prefixshare.fingerprint import read_manifests
 from prefixshare.policy import Policy
+from prefixshare.tiers._integrity import QUARANTINE_SUFFIX, payload_size
 from prefixshare.warm import Registry, parse_chunk_file, store_dirs, store_root
 from prefixshare.warm._chunks import ChunkFile
 
@@ -40,6 +41,8 @@ class StoreScan:
     tmp: list[StoredFile] = field(default_factory=list)
     #: ``.data`` files whose names are not LMCache keys
     other: list[Path] = field(default_factory=list)
+    #: chunk files found damaged on load and set aside by the server (``<name>.data.corrupt``)
+    quarantined: list[StoredFile] = field(default_factory=list)
 
     def by_namespace(self) -> dict[str, list[StoredFile]]:
         out: dict[str, list[StoredFile]] = {}
@@ -59,7 +62,8 @@ def scan_store(policy: Policy) -> StoreScan:
             continue
         for entry in entries:
             name = entry.name
-            if not (name.endswith(".data") or name.endswith(TMP_SUFFIX)) or name.startswith("."):
+            damaged = name.endswith(QUARANTINE_SUFFIX)
+            if not (name.endswith(".data") or name.endswith(TMP_SUFFIX) or damaged) or name.startswith("."):
                 continue
             try:
                 if not entry.is_file(follow_symlinks=False):
@@ -68,6 +72,10 @@ def scan_store(policy: Policy) -> StoreScan:
             except OSError:
                 continue
             path = Path(entry.path)
+            if damaged:
+                scan.quarantined.append(StoredFile(path, st.st_size, st.st_mtime,
+                                                   parse_chunk_file(name[: -len(QUARANTINE_SUFFIX)])))
+                continue
             if name.endswith(TMP_SUFFIX):
                 scan.tmp.append(StoredFile(path, st.st_size, st.st_mtime, None))
                 continue
@@ -143,6 +151,8 @@ def inspect_store(policy: Policy, *, now: float | None = None) -> dict[str, Any]
             "chunk_files": len(fs),
             "chunks": len(present.get(ns, ())),
             "bytes": sum(f.size for f in fs),
+            "kv_bytes": sum(payload_size(f.path, f.size) for f in fs),
+            "quarantined": sum(1 for q in scan.quarantined if q.chunk is not None and q.chunk.namespace == ns),
             "oldest": _iso(min(mtimes)) if mtimes else None,
             "newest": _iso(max(mtimes)) if mtimes else None,
             "age_s": {"oldest": round(now - min(mtimes), 1), "newest": round(now - max(mtimes), 1)} if mtimes else None,
@@ -173,8 +183,42 @@ def inspect_store(policy: Policy, *, now: float | None = None) -> dict[str, Any]
             "documents": sum(len(n["documents"]) for n in namespaces),
             "tmp_files": len(scan.tmp),
             "other_files": len(scan.other),
+            "quarantined_files": len(scan.quarantined),
         },
         "corrupt_manifests": corrupt_manifests,
         "corrupt_records": [{"path": c.path, "reason": c.reason} for c in (records.corrupt if records else [])],
         "generated_at": _iso(now),
     }
+
+
+@dataclass(frozen=True)
+class DamagedChunk:
+    """A chunk file that will never be loaded: set aside by the server, or failing its integrity check."""
+
+    path: Path
+    verdict: str  # "quarantined" or an integrity verdict ("digest-mismatch", "truncated", "unverified", ...)
+    bytes: int
+    mtime: float
+    namespace: str | None
+
+
+def damaged_chunks(policy: Policy, *, verify: bool = True, scan: StoreScan | None = None) -> list[DamagedChunk]:
+    """Chunk files of prefixshare namespaces that no engine will load: those the server quarantined on load
+    and, with ``verify``, every file of a checked fs tier (``integrity: blake3``) whose digest fails (this
+    reads every byte of the store once)."""
+    from prefixshare.tiers._integrity import verify_file
+
+    scan = scan or scan_store(policy)
+    out = [DamagedChunk(f.path, "quarantined", f.size, f.mtime, f.chunk.namespace if f.chunk else None)
+           for f in scan.quarantined]
+    if not verify:
+        return out
+    checked = {Path(t.base_path) for t in policy.l2
+               if getattr(t, "type", None) == "fs" and getattr(t, "integrity", "none") != "none"}
+    for f in scan.chunks:
+        if f.chunk is None or not f.chunk.namespace.startswith(NAMESPACE_PREFIX) or f.path.parent not in checked:
+            continue
+        verdict = verify_file(f.path)
+        if verdict.verdict not in ("ok", "missing"):  # missing: deleted since the scan (gc, eviction)
+            out.append(DamagedChunk(f.path, verdict.verdict, f.size, f.mtime, f.chunk.namespace))
+    return out

@@ -10,9 +10,12 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from prefixshare.tiers._base import LegacyRemote, TierConfig, problem
+
+#: the server-side adapter that writes and checks integrity data (imported by LMCache's MP server only)
+CHECKED_ADAPTER = ("prefixshare.tiers._fs_adapter", "CheckedFSL2Adapter")
 
 
 class FsTier(TierConfig):
@@ -25,6 +28,9 @@ class FsTier(TierConfig):
     read_ahead_size: int | None = Field(None, gt=0, description="bytes read ahead per file")
     use_odirect: bool = Field(False, description="bypass the page cache (O_DIRECT)")
     relative_tmp_dir: str | None = Field(None, description="in-progress writes, relative to base_path")
+    integrity: Literal["blake3", "none"] = Field(
+        "blake3", description="blake3: every chunk carries a digest checked on load, a damaged chunk is never "
+        "loaded; none: LMCache's plain fs adapter (no check)")
 
     @field_validator("base_path", mode="before")
     @classmethod
@@ -54,6 +60,21 @@ class FsTier(TierConfig):
             raise problem("must be a relative path inside base_path", "use e.g. '.tmp'")
         return value
 
+    @model_validator(mode="after")
+    def _odirect_needs_plain(self) -> FsTier:
+        if self.use_odirect and self.integrity != "none":
+            raise problem("use_odirect cannot be combined with integrity checks (the digest trailer breaks "
+                          "O_DIRECT's block alignment)", "set integrity: none to use O_DIRECT, or drop use_odirect")
+        return self
+
+    def adapter_config(self) -> dict[str, Any]:
+        cfg = super().adapter_config()
+        if self.integrity == "none":
+            return cfg
+        params = {k: cfg.pop(k) for k in list(cfg) if k in self._adapter_fields()}
+        module, cls = CHECKED_ADAPTER
+        return {**cfg, "type": "plugin", "module_path": module, "class_name": cls, "adapter_params": params}
+
     def _adapter_fields(self) -> dict[str, Any]:
         return {
             "base_path": self.base_path,
@@ -64,7 +85,9 @@ class FsTier(TierConfig):
 
     def legacy(self) -> LegacyRemote:
         # The in-process engine's fs connector needs a host:port placeholder (``fs:///path`` is rejected).
-        return LegacyRemote(remote_url=f"fs://localhost:0{self.base_path}")
+        notes = ["the in-process engine's fs connector writes and loads chunks without integrity checks"]
+        return LegacyRemote(remote_url=f"fs://localhost:0{self.base_path}",
+                            notes=notes if self.integrity != "none" else [])
 
     def prepare(self) -> None:
         path = Path(self.base_path)
