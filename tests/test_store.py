@@ -294,3 +294,22 @@ def test_damaged_chunks_are_reported_by_doctor_and_removed_by_gc(populated: dict
     assert not set_aside.exists() and populated["files"]["foreign"][0].exists()
     after = next(c for c in doctor(policy).checks if c.name == "integrity")
     assert after.status == "ok" and after.data["damaged"] == []
+
+
+def test_doctor_probes_network_tiers_and_names_the_dead_one(tmp_path: Path) -> None:
+    import socket
+
+    from prefixshare.policy import Policy
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        tiers = [{"type": "s3", "endpoint": f"127.0.0.1:{port}", "region": "us-east-1", "disable_tls": True},
+                 {"type": "resp", "host": "127.0.0.1", "port": port}]
+        policy = Policy.build(l2=tiers)
+        checks = [c for c in doctor(policy).checks if c.name == "store"]
+    assert [c.status for c in checks] == ["ok", "fail"]  # s3: the port answers; resp: no PING reply
+    assert checks[1].data["tier"] == f"resp:127.0.0.1:{port}" and "does not answer" in checks[1].message
+    after = [c for c in doctor(policy).checks if c.name == "store"]  # the listener is closed now
+    assert [c.status for c in after] == ["fail", "fail"] and "unreachable" in after[0].message

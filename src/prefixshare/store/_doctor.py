@@ -153,9 +153,8 @@ def _mode(path: Path) -> int:
 
 def check_store(report: DoctorReport, policy: Policy) -> None:
     dirs = [(t, Path(getattr(t, "base_path", ""))) for t in policy.l2 if getattr(t, "type", "") == "fs"]
-    others = [t.describe() for t in policy.l2 if getattr(t, "type", "") != "fs"]
-    if others:
-        report.add("store", INFO, "not checked from here: " + ", ".join(others) + " (the server reaches them)")
+    for tier in (t for t in policy.l2 if getattr(t, "type", "") != "fs"):
+        check_remote_tier(report, tier)
     if not policy.l2:
         report.add("store", WARN, "the policy has no L2 tier: KV lives only in this node's server memory, so "
                    "replicas on other nodes share nothing and a server restart loses it",
@@ -199,6 +198,30 @@ def check_store(report: DoctorReport, policy: Policy) -> None:
                        "documents they were computed from", f"chmod o-rwx {path}", **data)
             continue
         report.add("store", OK, f"{path} is writable, mode {oct(mode)}, {usage.free / 2**30:.1f} GiB free", **data)
+
+
+def check_remote_tier(report: DoctorReport, tier: Any, timeout_s: float = 1.0) -> None:
+    """Probe a network tier from this node (the same cheap check the connectors' health gate uses): a tier
+    that does not answer here most likely does not answer the node's server either."""
+    from prefixshare.tiers import require_client
+
+    name = tier.describe()
+    try:
+        require_client(tier)
+    except Exception as exc:  # noqa: BLE001 - the registry's error names the missing extra
+        report.add("store", FAIL, f"{name}: its client is not installed ({exc})",
+                   f"pip install 'prefixshare[{tier.requires_extra}]'" if tier.requires_extra else "", tier=name)
+        return
+    reason = tier.probe(timeout_s)
+    if reason is not None:
+        report.add("store", FAIL, f"{name} does not answer from this node: {reason}",
+                   "start it, or fix its address in the policy; until then every request recomputes", tier=name)
+    elif tier.shares_across_nodes:
+        report.add("store", OK, f"{name} answers", tier=name)
+    else:
+        report.add("store", WARN, f"{name} answers, but it is node-local: replicas on other nodes share nothing "
+                   "through it", "add a shared tier (fs on a shared mount, resp/valkey, s3, mooncake_store)",
+                   tier=name)
 
 
 def _loose_files(directory: Path) -> list[str]:
