@@ -37,6 +37,12 @@ _LIKELY_CAUSES: tuple[tuple[str, str], ...] = (
 )
 
 
+#: the server's file-creation mask: LMCache writes chunk files with open()'s default mode (0o666 & ~umask,
+#: so 0o644 under the usual 022): KV of every tenant readable by every local user. With 027 its files are
+#: 0o640 and its directories 0o750 (owner and group: the nodes' service accounts), nothing for others.
+SERVER_UMASK = 0o027
+
+
 def _port_open(host: str, port: int, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -167,6 +173,13 @@ class LMCacheServer:
         for tier in self.policy.l2:
             require_client(tier)
             tier.prepare()
+            # LMCache connects to remote tiers lazily: a server over an unreachable tier starts "healthy" and
+            # misses forever. Say so now, naming the tier. (A launcher may give the server another network or
+            # mount view than ours, e.g. its own /etc/hosts: then the server's view is the one that counts.)
+            reason = None if self.launcher else tier.probe()
+            if reason is not None:
+                raise ServerError(f"l2 tier {tier.describe()} is unreachable: {reason}. Start it, or fix its "
+                                  f"address in the policy, before starting the LMCache server")
         argv = self.launcher + server_argv(self.policy)
         env = {**os.environ, **server_env(self.policy)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +188,7 @@ class LMCacheServer:
         try:
             self.process = subprocess.Popen(
                 argv, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, umask=SERVER_UMASK,
             )
         finally:
             log_file.close()

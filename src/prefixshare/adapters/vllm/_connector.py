@@ -23,6 +23,7 @@ Both sides build the same namespace from the connector's extra config alone.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,33 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: LMCache MP connector settings we default (users may override them in the extra config)
 HEARTBEAT_S = 1.0
+#: how long a reachability check may wait for the server's TCP port (a dead local server refuses at once)
+CONNECT_CHECK_S = 0.25
+#: a port seen open this recently is not checked again (a connect costs ~50-100 us; P5 budgets 50 us a request)
+PORT_CHECK_TTL_S = 0.1
+
+
+def _mp_address(extra: dict[str, Any]) -> tuple[str, int] | None:
+    """(host, port) of the MP server's request socket, from the connector's extra config."""
+    raw = str(extra.get("lmcache.mp.host", ""))
+    scheme, _, host = raw.rpartition("://")
+    if scheme not in ("", "tcp"):
+        return None  # ipc:// and other transports: no TCP port to check
+    try:
+        return (host, int(extra["lmcache.mp.port"])) if host else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def port_open(address: tuple[str, int] | None, timeout: float = CONNECT_CHECK_S) -> bool:
+    """True when the MP server accepts a TCP connection (no request is sent; ZMQ drops the bare connection)."""
+    if address is None:
+        return True
+    try:
+        with socket.create_connection(address, timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 class PrefixShareConnector(LMCacheMPConnector):
@@ -64,6 +92,8 @@ class PrefixShareConnector(LMCacheMPConnector):
         extra.setdefault("lmcache.mp.heartbeat_interval", HEARTBEAT_S)
         extra.setdefault("lmcache.mp.host", f"tcp://{policy.server.host}")
         extra.setdefault("lmcache.mp.port", policy.server.port)
+        self._mp_address = _mp_address(extra)
+        self._port_seen_open_at = -1.0
         super().__init__(vllm_config, role, kv_cache_config)
         for side in ("scheduler_adapter", "worker_adapter"):
             adapter = getattr(self, side, None)
@@ -109,8 +139,9 @@ class PrefixShareConnector(LMCacheMPConnector):
         if tracker.state == LMCacheMPRequestState.PREFETCHING and tracker.lookup_started_at is None:
             if self._load_mode == "never":
                 tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
-            elif not self.prefixshare.store_available():
-                # The store is known to be down: neither look up nor store (each would wait out the timeout).
+            elif not self.prefixshare.store_available() or not self._server_ready():
+                # The store is down (known, or found now): neither look up nor store (each would wait out the
+                # timeout; a store RPC to a dead server blocks the engine step for two RPC timeouts).
                 tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
                 tracker.max_offload_tokens = 0
                 self.prefixshare.fallback(info, "store_down")
@@ -141,6 +172,13 @@ class PrefixShareConnector(LMCacheMPConnector):
         matched, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if failed_load:
             self.prefixshare.fallback(info, "load_failed")
+        elif (matched == 0 and info is not None and info.fallback is None and info.lookup_s is None
+              and not getattr(self.scheduler_adapter, "is_healthy", True)):
+            # LMCache answers 0 when its heartbeat lost the server during the lookup (a hung server): that is
+            # a fallback, not a miss; and storing this request would stall the engine step on the same server.
+            tracker.max_offload_tokens = 0
+            self.prefixshare.fallback(info, "store_down")
+            return matched, is_async
         if matched is None:
             waited = time.monotonic() - started
             deadline = self._cost_deadline(request, num_computed_tokens)
@@ -152,6 +190,8 @@ class PrefixShareConnector(LMCacheMPConnector):
                 tracker.lookup_started_at = None
                 tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
                 if waited > self._lookup_timeout_s:
+                    # a server too slow to answer a lookup would stall the engine step that stores: don't store
+                    tracker.max_offload_tokens = 0
                     self.prefixshare.fallback(info, "lookup_timeout")
                 else:
                     assert self.prefixshare.cost is not None
@@ -167,6 +207,57 @@ class PrefixShareConnector(LMCacheMPConnector):
             if not self._cost_after_lookup(request, tracker, num_computed_tokens, seconds, info):
                 return 0, False
         return matched, is_async
+
+    def _server_ready(self) -> bool:
+        """LMCache's own heartbeat still trusts the server and its port accepts connections (~0.1 ms locally).
+
+        Checked before each new request's lookup: a server that died since the last heartbeat (up to one
+        heartbeat interval ago) is found here, so the request skips the store at once instead of looking up
+        and then storing into a dead socket (each RPC waits out the load timeout)."""
+        adapter = getattr(self, "scheduler_adapter", None)
+        if adapter is not None and not getattr(adapter, "is_healthy", True):
+            return False
+        now = time.monotonic()
+        if now - self._port_seen_open_at < PORT_CHECK_TTL_S:
+            return True  # seen open a moment ago: a burst of requests pays one connect, not one each
+        if not port_open(self._mp_address):
+            return False
+        self._port_seen_open_at = now
+        return True
+
+    # --- worker side -------------------------------------------------------------------------------------
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker_gate("RETRIEVE")
+        super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._worker_gate("STORE")
+        super().wait_for_save()
+
+    def _worker_gate(self, direction: str) -> None:
+        """Before submitting stores (or retrieves) to the server, make sure it is still there.
+
+        LMCache's worker submits a store as two synchronous RPCs; against a server that died since its last
+        heartbeat each waits the full RPC timeout, inside the engine step. When the server's port refuses
+        connections we clear the worker's health flag instead: LMCache then drops the stores (and reports
+        dropped retrieves as failed: the engine recomputes), and its heartbeat re-registers the KV caches
+        and sets the flag again as soon as the server answers (a restarted server resumes sharing)."""
+        adapter = getattr(self, "worker_adapter", None)
+        event = getattr(adapter, "_health_event", None)
+        if event is None or not event.is_set():
+            return
+        try:
+            metadata = self._get_connector_metadata()
+        except Exception:  # noqa: BLE001 - no metadata bound: nothing to submit
+            return
+        if not any(getattr(m, "direction", None) == direction for m in getattr(metadata, "requests", ())):
+            return
+        if not port_open(self._mp_address):
+            event.clear()
+            self.prefixshare.log.warning("store.unreachable", side="worker", direction=direction.lower(),
+                                         address=f"{self._mp_address[0]}:{self._mp_address[1]}"
+                                         if self._mp_address else None,
+                                         action="drop this step's transfers; resume when the server answers")
 
     # --- cost-aware loading (see prefixshare.adapters._cost) ------------------------------------------------
     def _cost_before_lookup(self, request: Request, tracker: Any, num_computed_tokens: int) -> str:

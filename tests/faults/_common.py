@@ -1,0 +1,151 @@
+"""Shared pieces of the fault suite: a step-driven replica whose pauses the test acts in, the documents every
+module uses, and comparisons with the cold engine (see tests/faults/conftest.py for the session fixtures)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from e2e.common import same_output
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "_replica.py"
+#: every prompt of the suite: name -> (seed, tokens); 640 tokens = 10 chunks of 64
+DOCS: dict[str, tuple[int, int]] = {name: (40 + i, 640) for i, name in enumerate("abcdefghijkl")}
+WARMUP = "warmup"  # the first request of a process is slow (kernels, allocations): never timed
+DOCS[WARMUP] = (39, 100)
+#: machine noise allowed on top of a latency budget (2 shared CPU cores, other engines running beside)
+SLACK_S = 1.0
+
+
+def gen(name: str, ids: list[int], *, reset: bool = True, **extra: Any) -> dict[str, Any]:
+    return {"op": "generate", "name": name, "ids": ids, "reset": reset, **extra}
+
+
+def pause(name: str) -> dict[str, Any]:
+    return {"op": "pause", "name": name}
+
+
+def run_steps(work: Path, name: str, model: Path, policy: Any, steps: list[dict[str, Any]],
+              actions: dict[str, Callable[[], Any]] | None = None, *, timeout: float = 600,
+              engine: dict[str, Any] | None = None, wait: bool = True) -> Any:
+    """Run a replica; at each pause call ``actions[name]()`` (in this process), then let the replica go on.
+
+    Returns its result (``results`` per step, final ``stats``, ``events`` = structured log lines, ``actions`` =
+    what each action returned). With ``wait=False`` returns a handle whose ``.result()`` does the same."""
+    handle = _Running(work, name, model, policy, steps, actions or {}, timeout, engine or {})
+    return handle.result() if wait else handle
+
+
+class _Running:
+    def __init__(self, work: Path, name: str, model: Path, policy: Any, steps: list[dict[str, Any]],
+                 actions: dict[str, Callable[[], Any]], timeout: float, engine: dict[str, Any]) -> None:
+        self.control = work / f"{name}.control"
+        self.control.mkdir(parents=True, exist_ok=True)
+        spec = {"model": str(model), "policy": policy.to_dict() if policy is not None else None,
+                "instance": f"{name}-{os.getpid()}", "steps": steps, "control": str(self.control),
+                "engine": engine}
+        path = work / f"{name}.json"
+        path.write_text(json.dumps(spec))
+        self.name, self.work, self.actions, self.timeout = name, work, actions, timeout
+        self.out = open(work / f"{name}.stdout", "w")  # noqa: SIM115 - closed in result()
+        self.err = open(work / f"{name}.stderr", "w")  # noqa: SIM115
+        env = {**os.environ, "PREFIXSHARE_LOG_JSON": "1", "PREFIXSHARE_LOG_LEVEL": "INFO"}
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(path)], stdout=self.out, stderr=self.err,
+                                     env=env, start_new_session=True)
+        self.done: dict[str, Any] = {}
+
+    def poll_pauses(self) -> None:
+        for ready in sorted(self.control.glob("*.ready")):
+            pname = ready.name[: -len(".ready")]
+            if pname in self.done:
+                continue
+            action = self.actions.get(pname)
+            self.done[pname] = action() if action is not None else None
+            (self.control / f"{pname}.go").write_text("go")
+
+    def result(self) -> dict[str, Any]:
+        try:
+            while self.proc.poll() is None:
+                if time.monotonic() - self.started > self.timeout:
+                    os.killpg(self.proc.pid, 9)
+                    raise AssertionError(f"replica {self.name} ran past {self.timeout} s")
+                self.poll_pauses()
+                time.sleep(0.05)
+        finally:
+            self.out.close()
+            self.err.close()
+        stdout = (self.work / f"{self.name}.stdout").read_text()
+        stderr = (self.work / f"{self.name}.stderr").read_text()
+        line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
+        assert line, f"replica {self.name} failed (rc {self.proc.returncode}):\n{stderr[-4000:]}"
+        result = json.loads(line[len("RESULT "):])
+        events = []
+        for ln in (stderr + stdout).splitlines():
+            start = ln.find("{")
+            if start >= 0 and '"event"' in ln:
+                try:
+                    events.append(json.loads(ln[start:]))
+                except ValueError:
+                    pass
+        unreset = [r["name"] for r in result["results"] if r.get("reset_ok") is False]
+        assert not unreset, f"replica {self.name} could not clear its own prefix cache before {unreset}"
+        result["events"] = events
+        result["actions"] = self.done
+        result["by_name"] = {r["name"]: r for r in result["results"]}
+        return result
+
+
+def delta(before: dict[str, Any] | None, after: dict[str, Any] | None, key: str, sub: str | None = None) -> int:
+    """How much a stats counter grew between two steps' snapshots."""
+    def get(s: dict[str, Any] | None) -> int:
+        if not s:
+            return 0
+        value = s.get(key, 0)
+        return int(value.get(sub, 0)) if sub is not None else int(value or 0)
+    return get(after) - get(before)
+
+
+def identical(got: dict[str, Any], cold: dict[str, Any]) -> bool:
+    return same_output(got, cold)
+
+
+def added_latency(got: dict[str, Any], cold: dict[str, Any], cold_all: dict[str, Any] | None = None) -> float:
+    """Request time minus the cold engine's time for the same prompt. With ``cold_all`` (every cold answer),
+    the baseline is the fastest cold request of the same length instead: on a loaded machine one cold timing
+    can be seconds off, and the fastest one is the conservative baseline (it only makes the added latency
+    larger)."""
+    base = cold["seconds"]
+    if cold_all:
+        same = [c["seconds"] for c in cold_all.values() if c.get("prompt_tokens") == got.get("prompt_tokens")]
+        base = min(same, default=base)
+    return round(got["seconds"] - base, 3)
+
+
+def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """A cold model's greedy continuation of each prompt (HF transformers, no engine, no store)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            tokens = torch.tensor([ids])
+            past = None
+            out: list[int] = []
+            for _ in range(n):
+                step = lm(tokens if past is None else tokens[:, -1:], past_key_values=past, use_cache=True)
+                past = step.past_key_values
+                nxt = int(step.logits[0, -1].argmax())
+                out.append(nxt)
+                tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
+            outs.append(out)
+    return outs

@@ -1,0 +1,146 @@
+"""Test-only: one vLLM replica in its own process that runs a list of steps; prints ``RESULT {json}``.
+
+Like tests/helpers/vllm_replica.py (a fresh process per replica: nothing shared but the store), plus what the
+fault tests need while ONE engine keeps running: pauses during which the test breaks or repairs the store
+(kill the server, restart it, move its directory), pre-warming documents, per-step stats, and clearing the
+engine's own prefix cache so that a hit can only come from the store.
+
+Spec: {"model": DIR, "policy": {...}|null, "instance": STR, "engine": {LLM kwargs}, "control": DIR,
+       "steps": [
+         {"op": "generate", "name": STR, "ids": [...], "max_tokens": N, "params": {...}, "cache_salt": STR,
+          "reset": BOOL},                          # reset: clear the engine's own prefix cache first
+         {"op": "pause", "name": STR},             # write CONTROL/NAME.ready, wait for CONTROL/NAME.go
+         {"op": "warm", "name": STR, "docs": [[ID, TEXT], ...], "tenant": STR|null, "force": BOOL},
+         {"op": "prompt", "name": STR, "doc": [ID, TEXT], "question": STR, "tenant": STR|null, "reset": BOOL},
+         {"op": "sleep", "seconds": S}]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: ~3 s engine start
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PAUSE_LIMIT_S = 300.0
+
+
+def _pause(control: Path, name: str) -> float:
+    (control / f"{name}.ready").write_text(str(time.time()))
+    go = control / f"{name}.go"
+    t0 = time.monotonic()
+    while not go.exists():
+        if time.monotonic() - t0 > PAUSE_LIMIT_S:
+            raise TimeoutError(f"nobody released pause {name!r}")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from prefixshare._log import configure
+
+    configure(level="INFO", json=True)
+    import vllm
+
+    engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True,
+              "distributed_executor_backend": "uni", "block_size": 32, "max_model_len": 4096,
+              "enable_prefix_caching": True, "seed": 0, **spec.get("engine", {})}
+    ps = None
+    if spec.get("policy") is None:
+        from prefixshare.adapters.vllm import _compat
+
+        _compat.apply()
+        llm = vllm.LLM(**engine)
+    else:
+        from prefixshare import Policy, PrefixShare
+
+        ps = PrefixShare(Policy.build(**spec["policy"]), server=False, instance=spec["instance"])
+        llm = ps.attach(engine)
+    control = Path(spec.get("control") or ".")
+
+    def stats() -> dict[str, Any] | None:
+        if ps is None:
+            return None
+        time.sleep(0.12)  # the connector publishes its counters at most every 50 ms
+        return ps.stats()
+
+    def reset_prefix_cache() -> bool:
+        """Clear the engine's own prefix cache. A finished request's blocks stay held until the connector
+        reports its store done, which happens in the next engine step: run (empty) steps until it is."""
+        for _ in range(50):
+            if llm.reset_prefix_cache():
+                return True
+            llm.llm_engine.step()
+            time.sleep(0.01)
+        return False
+
+    def generate(ids: list[int], step: dict[str, Any], params: dict[str, Any] | None,
+                 salt: str | None) -> dict[str, Any]:
+        reset_ok = None
+        if step.get("reset"):
+            reset_ok = reset_prefix_cache()
+        sampling = vllm.SamplingParams(
+            temperature=0.0, max_tokens=step.get("max_tokens", 8), logprobs=1, ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params else None)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+        if salt:
+            prompt["cache_salt"] = salt
+        t0 = time.monotonic()
+        out = llm.generate([prompt], sampling, use_tqdm=False)[0]
+        seconds = time.monotonic() - t0
+        comp = out.outputs[0]
+        return {"token_ids": list(comp.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)],
+                "num_cached_tokens": int(out.num_cached_tokens or 0), "seconds": seconds,
+                "prompt_tokens": len(ids), "reset_ok": reset_ok, "stats": stats()}
+
+    results: list[dict[str, Any]] = []
+    for i, step in enumerate(spec["steps"]):
+        op, name = step["op"], step.get("name", str(i))
+        if op == "generate":
+            res = generate(step["ids"], step, step.get("params"), step.get("cache_salt"))
+        elif op == "pause":
+            res = {"waited_s": _pause(control, name)}
+        elif op == "sleep":
+            time.sleep(float(step["seconds"]))
+            res = {}
+        elif op == "warm":
+            from prefixshare.warm import warm
+
+            assert ps is not None
+            try:
+                report = warm(ps, [tuple(d) for d in step["docs"]], llm, tenant=step.get("tenant"),
+                              force=bool(step.get("force")))
+                res = {"report": report.to_dict(), "stats": stats()}
+            except Exception as exc:  # noqa: BLE001 - the test asserts on the error
+                res = {"error": type(exc).__name__, "message": str(exc), "stats": stats()}
+        elif op == "prompt":
+            from prefixshare.warm import prompt_for
+
+            assert ps is not None
+            p = prompt_for(ps, tuple(step["doc"]), step["question"], tenant=step.get("tenant"))
+            res = generate(p.token_ids, step, p.kv_transfer_params, p.cache_salt)
+            res["prompt"] = p.token_ids
+            res["prefix_tokens"] = p.prefix_tokens
+        else:
+            raise ValueError(f"unknown step {op!r}")
+        res.update(op=op, name=name)
+        results.append(res)
+    result = {"results": results, "stats": stats()}
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip engine teardown (a killed store must not delay the exit)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Corruption: damaged chunks and manifests are detected from the integrity data prefixshare writes, never loaded.
+
+One writer replica (real vLLM, real LMCache MP server, fs tier with its default ``integrity: blake3``) stores
+five documents. A copy of the store is then damaged, one way per document, always at the same chunk (the
+4th of 10): truncated, one bit flipped, another model's chunk copied in under the right name, the file
+rewritten without integrity data (as a plain LMCache fs tier writes it), the digest itself altered. A fresh
+replica behind a fresh server on the damaged copy must load exactly the 3 chunks before the damage, recompute
+the rest, and answer like a cold engine; the server logs one line per damaged chunk and sets it aside.
+The recompute stores a good copy in its place (the store heals). ``prefixshare doctor --verify`` then lists
+every damaged object (the set-aside chunks, chunks damaged since, a hand-edited manifest), ``gc --verify``
+removes them, and doctor is clean afterwards.
+
+The negative control is the same bit flip on a tier with ``integrity: none``: LMCache's plain adapter loads
+the chunk and the answer changes — so the identical answers above are the checks' doing, not luck.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.common import CHUNK, policy_for
+from faults._common import gen, identical, run_steps
+from faults._matrix import Row, record
+from prefixshare.server import LMCacheServer
+from prefixshare.tiers._integrity import verify_file
+from prefixshare.warm._chunks import blake3_chunk_hashes
+
+pytestmark = [pytest.mark.engine, pytest.mark.server]
+
+DAMAGED_AT = 3  #: index of the damaged chunk in every document: chunks 0..2 stay loadable
+#: document -> how its chunk DAMAGED_AT is damaged
+DAMAGE = {"a": "truncated", "b": "bit flipped", "c": "another model's chunk under this name",
+          "d": "rewritten without integrity data", "e": "digest altered"}
+
+
+def chunk_file(store: Path, ids: list[int], index: int) -> Path:
+    digest = blake3_chunk_hashes(ids, CHUNK)[index]
+    [path] = store.glob(f"prefixshare-*@{digest}.data")
+    return path
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def store(work: Path, model: Path, docs: dict[str, list[int]]) -> Path:
+    store = work / "store"
+    with LMCacheServer(policy_for(store)) as server:
+        out = run_steps(work, "writer", model, server.policy, [gen(n, docs[n]) for n in DAMAGE])
+    assert all(out["by_name"][n]["num_cached_tokens"] == 0 for n in DAMAGE)  # written, not read
+    return store
+
+
+@pytest.fixture(scope="module")
+def foreign_store(work: Path, suite_dir: Path, docs: dict[str, list[int]]) -> Path:
+    """Another model (other weights) computing document c: its chunk files have the same chunk hashes."""
+    from prefixshare.model import create_model
+
+    other = create_model(suite_dir / "model-seed1", shape="tiny", seed=1)
+    store = work / "foreign"
+    with LMCacheServer(policy_for(store)) as server:
+        run_steps(work, "foreign-writer", other, server.policy, [gen("c", docs["c"])])
+    return store
+
+
+@pytest.fixture(scope="module")
+def damaged(work: Path, store: Path, foreign_store: Path, docs: dict[str, list[int]]) -> dict[str, Any]:
+    """A damaged copy of the store, one kind of damage per document, and a hand-edited manifest."""
+    copy = work / "damaged"
+    shutil.copytree(store, copy)
+    files = {n: chunk_file(copy, docs[n], DAMAGED_AT) for n in DAMAGE}
+    a = files["a"]
+    a.write_bytes(a.read_bytes()[: a.stat().st_size // 2])
+    flip_bit(files["b"], 1000)
+    shutil.copyfile(chunk_file(foreign_store, docs["c"], DAMAGED_AT), files["c"])
+    d = files["d"]
+    d.write_bytes(d.read_bytes()[:-48])  # the payload alone: what LMCache's plain fs adapter writes
+    flip_bit(files["e"], files["e"].stat().st_size - 1)  # the last byte of the stored digest
+    return {"store": copy, "files": files}
+
+
+@pytest.fixture(scope="module")
+def reader(work: Path, model: Path, docs: dict[str, list[int]], damaged: dict[str, Any]) -> dict[str, Any]:
+    with LMCacheServer(policy_for(damaged["store"])) as server:
+        out = run_steps(work, "reader", model, server.policy, [gen(n, docs[n]) for n in DAMAGE])
+        log = server.log_path.read_text(errors="replace")
+    out["server_log"] = log
+    return out
+
+
+def test_damaged_chunks_are_never_loaded_and_the_answer_is_the_cold_one(
+    reader: dict[str, Any], cold: dict[str, Any], damaged: dict[str, Any]
+) -> None:
+    for name, how in DAMAGE.items():
+        got = reader["by_name"][name]
+        assert got["num_cached_tokens"] == DAMAGED_AT * CHUNK, (how, got["num_cached_tokens"])
+        assert identical(got, cold[name]), how
+        path: Path = damaged["files"][name]
+        assert path.with_name(path.name + ".corrupt").exists(), how  # set aside...
+        assert verify_file(path).verdict == "ok", how  # ...and the recompute stored a good copy in its place
+    lines = [ln for ln in reader["server_log"].splitlines() if "store.damaged_chunk" in ln]
+    assert len(lines) == len(DAMAGE), lines  # one clear line per damaged chunk
+    verdicts = {"truncated", "digest-mismatch", "unverified"}
+    assert all(any(v in ln for v in verdicts) for ln in lines), lines
+    for name, how in DAMAGE.items():
+        got = reader["by_name"][name]
+        record(Row(area="corruption", fault=f"one chunk {how}",
+                   behaviour="the 3 chunks before it loaded, the damaged one and the rest recomputed; chunk "
+                   "set aside (one log line) and a good copy stored by the recompute",
+                   requests=1, hits=1, fallbacks=1, identical_to_cold=True,
+                   max_added_latency_s=round(got["seconds"] - cold[name]["seconds"], 3), corrupt_detected=1,
+                   extra={"loaded_tokens": got["num_cached_tokens"]}))
+
+
+def _json(cli: Any, *args: str) -> dict[str, Any]:
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(cli, [*args, "--json"], env={"COLUMNS": "200"})
+    assert result.exit_code in (0, 1), result.output  # 1: doctor's verdict, not an error
+    return json.loads(result.stdout)
+
+
+def test_doctor_lists_every_damaged_object_and_gc_removes_them(
+    cli: Any, reader: dict[str, Any], damaged: dict[str, Any], store: Path
+) -> None:
+    import yaml
+
+    policy_file = damaged["store"].parent / "damaged-policy.yaml"
+    policy_file.write_text(yaml.safe_dump(policy_for(damaged["store"]).to_dict()))
+    for path in sorted(damaged["store"].glob("prefixshare-*.data"))[:2]:  # damaged in place, never read by a
+        flip_bit(path, 2000)  # server since: only --verify finds them
+    [manifest] = (damaged["store"] / ".prefixshare" / "manifests").glob("*.json")
+    body = json.loads(manifest.read_text())
+    body["fingerprint"]["engine"]["kv_dtype"] = "bfloat16"  # someone "fixes" the dtype by hand
+    manifest.write_text(json.dumps(body, indent=2))
+    report = _json(cli, "doctor", "--policy", str(policy_file), "--verify")
+    check = next(c for c in report["checks"] if c["name"] == "integrity")
+    kinds = sorted((o["kind"], o["reason"]) for o in check["data"]["damaged"])
+    assert check["status"] == "warn"
+    assert kinds.count(("chunk", "quarantined")) == len(DAMAGE)
+    assert kinds.count(("chunk", "digest-mismatch")) == 2
+    assert [k for k in kinds if k[0] == "manifest"] and "checksum" in json.dumps(check["data"]["damaged"])
+    quick = _json(cli, "doctor", "--policy", str(policy_file))
+    quick_check = next(c for c in quick["checks"] if c["name"] == "integrity")
+    assert len(quick_check["data"]["damaged"]) == len(DAMAGE) + 1  # without --verify: quarantined + manifest
+
+    gc = _json(cli, "gc", "--policy", str(policy_file), "--verify")
+    assert len(gc["deleted"]) == len(DAMAGE) + 2 + 1, gc["deleted"]
+    after = _json(cli, "doctor", "--policy", str(policy_file), "--verify")
+    clean = next(c for c in after["checks"] if c["name"] == "integrity")
+    assert clean["status"] == "ok" and clean["data"]["damaged"] == []
+    record(Row(area="corruption", fault="a manifest edited by hand (kv dtype changed)", engine="none",
+               behaviour="its checksum fails: never trusted, listed by doctor, removed by gc --verify; the next "
+               "replica of that fingerprint writes it again", corrupt_detected=1))
+    record(Row(area="corruption", fault="chunks damaged on disk, never read since", engine="none",
+               behaviour="doctor --verify reads every chunk and lists them (digest-mismatch); gc --verify "
+               "removes them with the quarantined ones; doctor clean afterwards",
+               corrupt_detected=len(DAMAGE) + 2,
+               extra={"deleted_by_gc": len(gc["deleted"])}))
+
+
+def test_negative_control_without_integrity_checks_the_flip_is_loaded(
+    work: Path, model: Path, docs: dict[str, list[int]], store: Path, cold: dict[str, Any]
+) -> None:
+    copy = work / "unchecked"
+    shutil.copytree(store, copy)
+    target = chunk_file(copy, docs["b"], DAMAGED_AT)
+    data = bytearray(target.read_bytes())
+    for i in range(0, len(data) - 48, 4):  # noise on every value of the chunk: the KV is visibly different
+        data[i + 3] ^= 0x08
+    target.write_bytes(bytes(data))
+    policy = policy_for(copy, l2=[{"type": "fs", "base_path": str(copy), "integrity": "none"}])
+    started = time.monotonic()
+    with LMCacheServer(policy) as server:
+        out = run_steps(work, "unchecked-reader", model, server.policy, [gen("b", docs["b"])])
+    got = out["by_name"]["b"]
+    assert got["num_cached_tokens"] >= 9 * CHUNK  # the damaged chunk was loaded as it is...
+    assert not identical(got, cold["b"])  # ...and the answer changed
+    record(Row(area="corruption", fault="one chunk's values perturbed, tier with integrity: none (control)",
+               behaviour="loaded as it is and the answer changed: what the checks prevent", requests=1, hits=1,
+               identical_to_cold=False, extra={"loaded_tokens": got["num_cached_tokens"],
+                                               "wall_s": round(time.monotonic() - started, 1)}))
