@@ -36,16 +36,43 @@ def run_replica(tmp: Path, name: str, model: Path, policy: Policy | None, reques
     assert line, f"replica {name} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     result = json.loads(line[len("RESULT "):])
     (tmp / f"{name}.result.json").write_text(json.dumps(result, indent=1))
+    result["events"] = parse_events(proc.stderr + proc.stdout)
+    return result
+
+
+def parse_events(text: str) -> list[dict[str, Any]]:
+    """The structured (JSON) log lines of a replica's output, in order."""
     events = []
-    for ln in (proc.stderr + proc.stdout).splitlines():
+    for ln in text.splitlines():
         start = ln.find("{")
         if start >= 0 and '"event"' in ln:
             try:
                 events.append(json.loads(ln[start:]))
             except ValueError:
                 pass
-    result["events"] = events
-    return result
+    return events
+
+
+def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """A cold model's greedy continuation of each prompt (HF transformers: no engine, no store)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            tokens = torch.tensor([ids])
+            past = None
+            out: list[int] = []
+            for _ in range(n):
+                step = lm(tokens if past is None else tokens[:, -1:], past_key_values=past, use_cache=True)
+                past = step.past_key_values
+                nxt = int(step.logits[0, -1].argmax())
+                out.append(nxt)
+                tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
+            outs.append(out)
+    return outs
 
 
 def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -128,7 +128,7 @@ def test_sglang_store_down_means_recompute(
         srv.stop()
     after = out["results"][1]
     assert same_output(after, cold["doc3"]) and after["storage_tokens"] == 0
-    assert after["seconds"] <= cold["doc3"]["seconds"] + srv.policy.load.timeout_s + 5.0, after["seconds"]
+    assert after["seconds"] <= cold["doc3"]["seconds"] + srv.policy.load.timeout_s + 1.0, after["seconds"]
 
 
 # --- vLLM <-> SGLang -----------------------------------------------------------------------------------------

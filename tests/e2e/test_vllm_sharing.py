@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from conftest import free_port
-from e2e.common import CHUNK, LOGPROB_TOL, corrupt_copy, document_ids, policy_for, run_replica, same_output
+from e2e.common import (CHUNK, LOGPROB_TOL, corrupt_copy, document_ids, hf_greedy, policy_for, run_replica,
+                        same_output)
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
@@ -166,22 +167,7 @@ def test_incompatible_replicas_load_nothing_and_say_why(
     if variant == "other_tok":
         assert same_output(result, cold["doc"])  # the same weights on the same ids: the cold answer
     if variant == "other_weights":
-        assert result["token_ids"] == hf_greedy(models[variant], prompts["doc"], 12)  # its own cold answer
-
-
-def hf_greedy(model: Path, ids: list[int], n: int) -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    tokens = torch.tensor([ids])
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = int(lm(tokens).logits[0, -1].argmax())
-            out.append(nxt)
-            tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
-    return out
+        assert result["token_ids"] == hf_greedy(models[variant], [prompts["doc"]], 12)[0]  # its own cold answer
 
 
 def test_store_down_means_recompute_within_the_timeout(
@@ -197,7 +183,7 @@ def test_store_down_means_recompute_within_the_timeout(
     after = out["results"][1]
     assert same_output(after, cold["doc3"]) and after["num_cached_tokens"] == 0
     budget = server.policy.load.timeout_s
-    assert after["seconds"] <= cold["doc3"]["seconds"] + budget + 5.0, (after["seconds"], cold["doc3"]["seconds"])
+    assert after["seconds"] <= cold["doc3"]["seconds"] + budget + 1.0, (after["seconds"], cold["doc3"]["seconds"])
 
 
 def test_http_server_replica_is_covered_too(

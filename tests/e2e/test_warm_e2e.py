@@ -22,6 +22,7 @@ import typer
 from typer.testing import CliRunner
 
 from conftest import TESTS, free_port
+from e2e.common import hf_greedy
 from prefixshare.policy import Policy
 from prefixshare.server import LMCacheServer
 
@@ -153,7 +154,7 @@ def test_a_fresh_replica_hits_every_warmed_document_and_answers_like_a_cold_mode
     stats = replica["stats"]
     assert stats["tokens_loaded"] >= sum(d["chunks"] * CHUNK for d in warmed.values())
     assert stats["hits"] >= len(DOC_TOKENS)
-    cold = _hf_greedy(model, [a["prompt"] for a in replica["answers"]], 6)
+    cold = hf_greedy(model, [a["prompt"] for a in replica["answers"]], 6)
     assert [a["token_ids"] for a in replica["answers"]] == cold
 
 
@@ -171,24 +172,3 @@ def test_inspect_and_doctor_describe_the_warmed_store(
     checks = {c["name"]: c for c in data["checks"]}
     assert checks["server"]["status"] == "ok" and checks["fingerprint"]["status"] == "ok", checks
     assert result.exit_code == 0 and data["verdict"].startswith("verdict: READY")
-
-
-def _hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            tokens = torch.tensor([ids])
-            past = None
-            out: list[int] = []
-            for _ in range(n):
-                step = lm(tokens if past is None else tokens[:, -1:], past_key_values=past, use_cache=True)
-                past = step.past_key_values
-                nxt = int(step.logits[0, -1].argmax())
-                out.append(nxt)
-                tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
-            outs.append(out)
-    return outs

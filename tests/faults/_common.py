@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from e2e.common import same_output
+from e2e.common import hf_greedy, parse_events, same_output  # noqa: F401 - hf_greedy: re-exported
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "_replica.py"
@@ -87,14 +87,7 @@ class _Running:
         line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
         assert line, f"replica {self.name} failed (rc {self.proc.returncode}):\n{stderr[-4000:]}"
         result = json.loads(line[len("RESULT "):])
-        events = []
-        for ln in (stderr + stdout).splitlines():
-            start = ln.find("{")
-            if start >= 0 and '"event"' in ln:
-                try:
-                    events.append(json.loads(ln[start:]))
-                except ValueError:
-                    pass
+        events = parse_events(stderr + stdout)
         unreset = [r["name"] for r in result["results"] if r.get("reset_ok") is False]
         assert not unreset, f"replica {self.name} could not clear its own prefix cache before {unreset}"
         result["events"] = events
@@ -127,25 +120,3 @@ def added_latency(got: dict[str, Any], cold: dict[str, Any], cold_all: dict[str,
         same = [c["seconds"] for c in cold_all.values() if c.get("prompt_tokens") == got.get("prompt_tokens")]
         base = min(same, default=base)
     return round(got["seconds"] - base, 3)
-
-
-def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """A cold model's greedy continuation of each prompt (HF transformers, no engine, no store)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            tokens = torch.tensor([ids])
-            past = None
-            out: list[int] = []
-            for _ in range(n):
-                step = lm(tokens if past is None else tokens[:, -1:], past_key_values=past, use_cache=True)
-                past = step.past_key_values
-                nxt = int(step.logits[0, -1].argmax())
-                out.append(nxt)
-                tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
-            outs.append(out)
-    return outs

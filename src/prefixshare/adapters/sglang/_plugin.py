@@ -75,6 +75,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.runtime_context import get_memory
 
+    from prefixshare.adapters._reach import PortCheck
     from prefixshare.adapters._runtime import ConnectorRuntime
     from prefixshare.adapters.sglang._requests import parse_rid
 
@@ -92,6 +93,18 @@ def build_tree_cache(ctx: Any) -> Any:
 
     #: per request: when it became ready to compute, how far it is computed, when its load began (cost model)
     _timing: dict[str, dict[str, Any]] = {}
+    #: the MP server's request port (a dead server refuses at once; LMCache notices only at its next heartbeat,
+    #: and until then a lookup waits out the load timeout and a store RPC blocks the scheduler)
+    mp_port = PortCheck((runtime.policy.server.host, runtime.policy.server.port))
+
+    def _store_reachable() -> bool:
+        if not runtime.store_available():
+            return False
+        if mp_port.ok():
+            return True
+        runtime.mark_down(f"the LMCache server's port {runtime.policy.server.host}:{runtime.policy.server.port} "
+                          "refuses connections")
+        return False
 
     def _cost_fallback(info: Any) -> None:
         from prefixshare import _metrics
@@ -135,7 +148,7 @@ def build_tree_cache(ctx: Any) -> Any:
                 return None
             matched = list(kwargs.get("matched_prefix_tokens") or [])
             info = runtime.begin(rid, matched + list(new_input_tokens), parse_rid(rid))
-            if not runtime.store_available():
+            if not _store_reachable():
                 runtime.fallback(info, "store_down")
                 return None
             cost = runtime.cost
@@ -213,7 +226,7 @@ def build_tree_cache(ctx: Any) -> Any:
 
         def _submit_store(self, req: Any, token_ids: list[int]) -> Any:
             info = runtime.begin(req.rid, list(req.origin_input_ids or token_ids), parse_rid(req.rid))
-            if not info.admitted or not runtime.store_available():
+            if not info.admitted or not _store_reachable():
                 return None
             if info.store_limit is not None:
                 limit = info.store_limit - info.store_limit % runtime.policy.chunk_size

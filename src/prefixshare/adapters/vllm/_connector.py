@@ -23,7 +23,6 @@ Both sides build the same namespace from the connector's extra config alone.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
 
 from prefixshare import _metrics
+from prefixshare.adapters._reach import PortCheck, port_open
 from prefixshare.adapters._runtime import ConnectorRuntime
 from prefixshare.adapters.vllm._settings import engine_settings, model_dirs
 
@@ -42,10 +42,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: LMCache MP connector settings we default (users may override them in the extra config)
 HEARTBEAT_S = 1.0
-#: how long a reachability check may wait for the server's TCP port (a dead local server refuses at once)
-CONNECT_CHECK_S = 0.25
-#: a port seen open this recently is not checked again (a connect costs ~50-100 us; P5 budgets 50 us a request)
-PORT_CHECK_TTL_S = 0.1
 
 
 def _mp_address(extra: dict[str, Any]) -> tuple[str, int] | None:
@@ -58,17 +54,6 @@ def _mp_address(extra: dict[str, Any]) -> tuple[str, int] | None:
         return (host, int(extra["lmcache.mp.port"])) if host else None
     except (KeyError, TypeError, ValueError):
         return None
-
-
-def port_open(address: tuple[str, int] | None, timeout: float = CONNECT_CHECK_S) -> bool:
-    """True when the MP server accepts a TCP connection (no request is sent; ZMQ drops the bare connection)."""
-    if address is None:
-        return True
-    try:
-        with socket.create_connection(address, timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 class PrefixShareConnector(LMCacheMPConnector):
@@ -93,7 +78,7 @@ class PrefixShareConnector(LMCacheMPConnector):
         extra.setdefault("lmcache.mp.host", f"tcp://{policy.server.host}")
         extra.setdefault("lmcache.mp.port", policy.server.port)
         self._mp_address = _mp_address(extra)
-        self._port_seen_open_at = -1.0
+        self._mp_port = PortCheck(self._mp_address)
         super().__init__(vllm_config, role, kv_cache_config)
         for side in ("scheduler_adapter", "worker_adapter"):
             adapter = getattr(self, side, None)
@@ -217,13 +202,7 @@ class PrefixShareConnector(LMCacheMPConnector):
         adapter = getattr(self, "scheduler_adapter", None)
         if adapter is not None and not getattr(adapter, "is_healthy", True):
             return False
-        now = time.monotonic()
-        if now - self._port_seen_open_at < PORT_CHECK_TTL_S:
-            return True  # seen open a moment ago: a burst of requests pays one connect, not one each
-        if not port_open(self._mp_address):
-            return False
-        self._port_seen_open_at = now
-        return True
+        return self._mp_port.ok()  # seen open a moment ago: a burst of requests pays one connect, not one each
 
     # --- worker side -------------------------------------------------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
