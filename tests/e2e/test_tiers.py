@@ -396,3 +396,88 @@ def test_vllm_replicas_on_two_nodes_share_through_mooncake_and_survive_its_maste
     print("FIGURES mooncake: doc cold {:.3f}s -> via node 2 {:.3f}s; master killed: ".format(
         cold[0]["seconds"], b[0]["seconds"]) + ", ".join(
         f"cold {w['seconds']:.3f}s -> {g['seconds']:.3f}s" for g, w in zip(b[1:], cold[1:], strict=True)))
+
+
+# --- Throughput of every tier (`prefixshare bench --tiers`) ------------------------------------------------
+#
+# Each tier's adapter is built from its rendering by LMCache's parser and factory and timed (store, lookup,
+# load, bytes compared), with a raw baseline for fs and Redis. The default run is small and asserts only that
+# figures come out and are sane. PREFIXSHARE_BENCH_TIERS_FULL=1 runs the published measurement (16 chunks of
+# 6 MiB, 5 repetitions) and writes docs/benchmarks/tiers.json and the "Measured throughput" section of
+# docs/tiers.md.
+
+BENCH_FULL_ENV = "PREFIXSHARE_BENCH_TIERS_FULL"
+BENCH_FULL_COMMAND = (f"{BENCH_FULL_ENV}=1 .venv/bin/python -m pytest tests/e2e/test_tiers.py "
+                      "-k test_tier_throughput_bench -s   # starts Redis, moto S3, mooncake_master + mooncake_client")
+
+
+def _optional_fixture(request: pytest.FixtureRequest, name: str, required: bool) -> Any:
+    try:
+        return request.getfixturevalue(name)
+    except pytest.skip.Exception:
+        if required:
+            raise
+        return None
+
+
+def test_tier_throughput_bench(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Every tier the box can run (fs checked and plain always; Redis, S3, Mooncake when installed) through
+    `prefixshare bench --tiers` in a fresh process (under the S3 server's private /etc/hosts, when there is one)."""
+    import json
+
+    import yaml
+
+    full = os.environ.get(BENCH_FULL_ENV) == "1"
+    redis_ = _optional_fixture(request, "redis", full)
+    s3_ = _optional_fixture(request, "s3", full)
+    mooncake_ = _optional_fixture(request, "mooncake", full)
+    tiers: list[dict[str, Any]] = []
+    for name, integrity in (("fs-checked", "blake3"), ("fs-plain", "none")):
+        (tmp_path / name).mkdir()
+        tiers.append({"type": "fs", "base_path": str(tmp_path / name), "integrity": integrity})
+    if redis_:
+        tiers.append({"type": "resp", "host": "127.0.0.1", "port": redis_["port"]})
+    if s3_:
+        tiers.append({"type": "s3", "endpoint": f"kvstore.localhost:{s3_['port']}", "region": "us-east-1",
+                      "disable_tls": True})
+    if mooncake_:
+        tiers.append(mooncake_tier(mooncake_))
+    policy_file = tmp_path / "tiers.yaml"
+    policy_file.write_text(yaml.safe_dump({"l2": tiers}))
+    sizes = [] if full else ["--tier-chunks", "4", "--tier-chunk-tokens", "16", "--shape", "tiny"]  # 64 KiB
+    argv = [*(s3_["launcher"] if s3_ else []), sys.executable, "-c", "from prefixshare.cli import main; main()",
+            "bench", "--tiers", str(policy_file), *sizes, "--out", str(tmp_path / "out"), "--no-docs", "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900 if full else 120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    assert results["tiers"] == json.loads((tmp_path / "out" / "tiers.json").read_text())["tiers"]
+    st = results["settings"]
+    assert [t["type"] for t in results["tiers"]] == [t["type"] for t in tiers]
+    for t in results["tiers"]:
+        assert "error" not in t, t
+        assert t["bytes_equal"] is True and t["chunks_loaded"] == f"{st['chunks']}/{st['chunks']}", t
+        for key in ("store_mbps", "load_mbps", "lookup_ms", *(("load_evicted_mbps",) if t["type"] == "fs" else ())):
+            assert t[key]["n"] == st["reps"] >= 3 and 0 < t[key]["min"] <= t[key]["median"] <= t[key]["max"], (key, t)
+        if t["type"] in ("fs", "resp"):
+            assert t["raw"]["store_mbps"]["median"] > 0 and t["raw"]["load_mbps"]["median"] > 0, t
+            assert all(r > 0 for r in t["adapter_over_raw"].values()), t
+    assert [t["adapter"] for t in results["tiers"][:2]] == ["prefixshare.tiers._fs_adapter.CheckedFSL2Adapter",
+                                                           "lmcache fs"]
+    print("FIGURES tiers: " + "; ".join(
+        f"{t['tier']} store {t['store_mbps']['median']:.0f} / load {t['load_mbps']['median']:.0f} MB/s"
+        for t in results["tiers"]))
+    if full:
+        from prefixshare.bench._tiers import write_docs, write_results
+
+        repo = Path(__file__).resolve().parents[2]
+        results["command"] = BENCH_FULL_COMMAND
+        volatile = ("base_path", "host", "port", "endpoint", "master_server_addr", "metadata_server")
+        results["notes"] = [
+            "Services as the tests start them, all on loopback: Redis 7.0 (`--save ''`), moto's S3 server (a Python "
+            "process), `mooncake_master` + one `mooncake_client` holding a 512 MB segment (TCP); fs on the "
+            "test's temporary directory. The tiers' policy: "
+            + "; ".join(f"`{json.dumps({k: v for k, v in t.items() if k not in volatile})}`" for t in tiers) + "."
+        ]
+        results.pop("results_path", None)
+        write_results(results, repo / "docs" / "benchmarks" / "tiers.json")
+        write_docs(results, repo / "docs" / "tiers.md")

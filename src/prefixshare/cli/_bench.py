@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from prefixshare.cli._common import EXIT_CHECK_FAILED, JSON_OPTION, emit_json, err, handles_errors, out
+from prefixshare.cli._common import EXIT_CHECK_FAILED, EXIT_RUNTIME, JSON_OPTION, emit_json, err, handles_errors, out
 
 
 def _lengths(value: str | None) -> list[int] | None:
@@ -39,11 +39,22 @@ def register(app: typer.Typer) -> None:
         check: bool = typer.Option(False, "--check", help="Exit 1 when a goal is missed."),
         render: Path | None = typer.Option(None, "--render", help="Measure nothing: render the plots and the page "
                                            "again from a results.json (e.g. after changing the page's layout)."),
+        tiers: Path | None = typer.Option(None, "--tiers", help="Measure only the L2 tiers of this policy file: "
+                                          "store / lookup / load throughput of each tier's adapter (and the raw "
+                                          "medium), into tiers.json and docs/tiers.md (no engine, no server)."),
+        tier_chunks: int = typer.Option(16, "--tier-chunks", min=1, help="--tiers: chunks per store/load task."),
+        tier_chunk_tokens: int = typer.Option(256, "--tier-chunk-tokens", min=1, help="--tiers: tokens per chunk "
+                                              "(bytes: tokens x the --shape model's KV bytes per token)."),
         json: bool = JSON_OPTION,
     ) -> None:
         """Measure cold vs cross-replica warm vs local TTFT, the physical limit, the store path, cost-aware
         loading with a throttled store, prefixshare's own overhead and pre-warm; report pass/fail per goal."""
         import sys
+
+        if tiers is not None:
+            _bench_tiers(tiers, quick=quick, chunks=tier_chunks, chunk_tokens=tier_chunk_tokens, shape=shape,
+                         runs=runs, out_dir=out_dir, docs=docs, no_docs=no_docs, json=json)
+            return
 
         from prefixshare.bench._run import Settings, render_results, run_bench
 
@@ -74,6 +85,69 @@ def register(app: typer.Typer) -> None:
             _render(results)
         if check and not all(g["pass"] for g in results["goals"].values()):
             raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _bench_tiers(policy_file: Path, *, quick: bool, chunks: int, chunk_tokens: int, shape: str | None,
+                 runs: int | None, out_dir: Path | None, docs: Path | None, no_docs: bool, json: bool) -> None:
+    import sys
+
+    from prefixshare._paths import cache_dir
+    from prefixshare.bench._tiers import TierBenchSettings, measure_tiers, write_docs, write_results
+    from prefixshare.policy import Policy
+
+    policy = Policy.from_yaml(str(policy_file))
+    settings = TierBenchSettings(chunks=4 if quick else chunks, chunk_tokens=64 if quick else chunk_tokens,
+                                 shape=shape or ("tiny" if quick else "bench"), reps=runs or 5)
+    if out_dir is None:
+        out_dir = cache_dir() / "bench" / "quick-results" if quick else Path("docs/benchmarks")
+    if no_docs:
+        docs = None
+    elif docs is None and not quick:
+        docs = Path("docs/tiers.md")
+    command = " ".join(["prefixshare", *sys.argv[1:]])
+
+    def log(line: str) -> None:
+        (err if json else out).print(escape(line))
+
+    results = measure_tiers(policy, settings, log_line=log, command=command)
+    results["results_path"] = str(write_results(results, out_dir / "tiers.json"))
+    failed = [t["tier"] for t in results["tiers"] if "error" in t]
+    if docs is not None and not failed:
+        results["docs_path"] = str(write_docs(results, docs))
+    if json:
+        emit_json(results)
+    else:
+        _render_tiers(results)
+    if failed:
+        err.print(f"[bold red]error:[/] tier(s) failed: {escape(', '.join(failed))}" +
+                  (" (docs not updated)" if docs is not None else ""))
+        raise typer.Exit(EXIT_RUNTIME)
+
+
+def _render_tiers(results: dict) -> None:
+    st = results["settings"]
+    table = Table(title=f"L2 tiers: {st['chunks']} x {st['chunk_bytes'] / 2**20:.2f} MiB per task, MB/s, medians "
+                        f"of {st['reps']} (min/max: {results['results_path']})")
+    for col in ("tier", "store", "lookup ms", "load", "evicted", "raw store", "raw load", "/raw store", "/raw load"):
+        table.add_column(col, justify="right")
+
+    def med(s: dict | None, digits: int = 0) -> str:
+        return f"{s['median']:.{digits}f}" if s else "-"
+
+    for t in results["tiers"]:
+        if "error" in t:
+            table.add_row(escape(t["tier"]), f"[red]{escape(t['error'])}[/]", *["" for _ in range(7)])
+            continue
+        raw, ratio = t.get("raw") or {}, t.get("adapter_over_raw") or {}
+        table.add_row(escape(t["tier"]), med(t["store_mbps"]), med(t["lookup_ms"], 1), med(t["load_mbps"]),
+                      med(t.get("load_evicted_mbps")), med(raw.get("store_mbps")), med(raw.get("load_mbps")),
+                      f"{ratio['store_mbps']:.2f}" if "store_mbps" in ratio else "-",
+                      f"{ratio['load_mbps']:.2f}" if "load_mbps" in ratio else "-")
+    out.print(table)
+    out.print(f"load average: {results['machine'].get('load_average')} -> {results.get('load_average_end')}")
+    out.print(f"results: {results['results_path']}")
+    if results.get("docs_path"):
+        out.print(f"docs: {results['docs_path']}")
 
 
 def _render(results: dict) -> None:
