@@ -330,3 +330,13 @@ def test_missing_client_names_the_extra(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(type(tier), "requires_module", "prefixshare_no_such_module")
     with pytest.raises(MissingExtraError, match=r"pip install 'prefixshare\[nixl\]'"):
         require_client(tier)
+
+
+def test_shared_memory_is_on_by_default_and_named_after_the_port(tmp_path: Path) -> None:
+    policy = Policy.build(server={"port": 7001, "http_port": 7002})
+    parsed = parse_server_argv(server_argv(policy)[4:])
+    assert parsed["mp"].shm_name == "prefixshare-7001"  # one segment per server: several servers per node
+    off = Policy.build(server={"port": 7001, "http_port": 7002, "shm_name": None})
+    assert "--shm-name" not in server_argv(off)
+    with pytest.raises(PolicyError, match=r"server.shm_name: 'a/b' is not a usable shared-memory name"):
+        Policy.build(server={"shm_name": "a/b"})

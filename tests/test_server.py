@@ -62,6 +62,8 @@ def test_round_trip_through_the_server_from_fresh_processes(server_a: LMCacheSer
     fetched = run_mp_client("fetch", server_a.url)  # a fresh process: nothing shared but the server
     assert fetched.returncode == 0, fetched.stdout + fetched.stderr[-2000:]
     assert "bytes_equal = True" in fetched.stdout and hits(fetched.stdout) == (4, 4)
+    # the copies went through the server's shared memory (server.shm_name: auto), not pickled over the socket
+    assert "Using shm non-GPU transfer strategy" in server_a.log_path.read_text(errors="replace")
     # negative controls: another model name and another salt are other namespaces
     assert hits(run_mp_client("lookup", server_a.url, model="other/model").stdout) == (0, 4)
     assert hits(run_mp_client("lookup", server_a.url, salt="tenant-b").stdout) == (0, 4)
@@ -77,8 +79,9 @@ def test_second_server_on_the_same_directory_sees_the_chunks(server_a: LMCacheSe
         assert hits(fetched.stdout) == (4, 4) and "bytes_equal = True" in fetched.stdout
 
 
-def test_corrupted_chunk_bytes_reach_the_reader(tmp_path: Path) -> None:
-    """Negative control: the bytes really come from the store (flip them and the reader sees it)."""
+def test_corrupted_chunk_bytes_reach_the_reader_unless_checked(tmp_path: Path) -> None:
+    """Negative control: the bytes really come from the store (flip them and a reader without integrity checks
+    gets the flipped bytes); the fs tier's default integrity check refuses every flipped chunk instead."""
     store = tmp_path / "kv"
     with LMCacheServer(make_policy(store)) as writer:
         assert run_mp_client("store", writer.url).returncode == 0
@@ -86,9 +89,33 @@ def test_corrupted_chunk_bytes_reach_the_reader(tmp_path: Path) -> None:
         data = bytearray(f.read_bytes())
         data[100:108] = b"\xff" * 8
         f.write_bytes(bytes(data))
-    with LMCacheServer(make_policy(store)) as reader:  # fresh L1: must read the L2 files
+    unchecked = make_policy(store, l2=[{"type": "fs", "base_path": str(store), "integrity": "none"}])
+    with LMCacheServer(unchecked) as reader:  # fresh L1: must read the L2 files
         fetched = run_mp_client("fetch", reader.url)
-    assert "bytes_equal = False" in fetched.stdout and fetched.returncode == 1, fetched.stdout
+    assert "bytes_equal = False" in fetched.stdout and hits(fetched.stdout) == (4, 4), fetched.stdout
+    with LMCacheServer(make_policy(store)) as reader:
+        fetched = run_mp_client("lookup", reader.url)
+    assert hits(fetched.stdout) == (0, 4), fetched.stdout  # the first chunk is damaged: nothing loads
+    assert len(list(store.glob("*.data.corrupt"))) == 4  # every chunk read in the batch is set aside
+
+
+def test_shared_memory_turns_itself_off_when_dev_shm_is_too_small(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    from prefixshare.server import _process
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(64 << 20, 0, 64 << 20))  # a container's default
+    auto = LMCacheServer(make_policy(tmp_path / "kv"))
+    auto._prepare_shm()
+    assert auto.policy.server.shm_segment is None  # falls back to the socket, with a warning
+    named = LMCacheServer(make_policy(tmp_path / "kv", server={"port": free_port(), "http_port": free_port(),
+                                                                  "shm_name": "kv-node1"}))
+    with pytest.raises(ServerError, match=r"server.shm_name 'kv-node1': /dev/shm has 0.07 GB free.*--shm-size"):
+        named._prepare_shm()
+    assert _process.shm_path("kv-node1") == _process.SHM_DIR / "lmcache_l1_pool_kv-node1"
 
 
 def test_reuse_a_compatible_server_and_refuse_an_incompatible_one(server_a: LMCacheServer, store: Path) -> None:

@@ -7,6 +7,8 @@ invalid value is reported with its field path and a fix (see :mod:`prefixshare.p
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Literal
 
 from pydantic_core import PydanticCustomError
@@ -43,12 +45,33 @@ class ServerSettings(BaseModel):
     http_port: int = Field(5556, gt=0, lt=65536, description="health, status and metrics")
     #: engine_driven is what CPU engines use; lmcache_driven is the CUDA path; auto serves both.
     transfer_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "auto"
-    shm_name: str | None = Field(None, description="shared-memory segment for engine-driven copies")
+    shm_name: str | None = Field(
+        "auto", description="shared memory between the node's engines and the server (the server's L1 lives in "
+        "it; KV is copied in place instead of pickled through the socket, 4-7x faster loads): 'auto' = a segment "
+        "named after the port, turned off with a warning when /dev/shm cannot hold l1.size_gb; a name; or null "
+        "(off)")
     #: blake3 and sha256_cbor are deterministic across processes; 'builtin' (Python hash) is not.
     hash_algorithm: Literal["blake3", "sha256_cbor"] = "blake3"
     max_workers: int = Field(1, gt=0)
     start_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the server to be healthy")
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the server argv")
+
+    @field_validator("shm_name")
+    @classmethod
+    def _shm_name(cls, value: str | None) -> str | None:
+        if value in (None, "", "auto"):
+            return value or None
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", value):
+            raise problem("is not a usable shared-memory name",
+                          "use letters, digits, '.', '_' and '-' (at most 100), 'auto', or null to turn it off")
+        return value
+
+    @property
+    def shm_segment(self) -> str | None:
+        """The ``--shm-name`` the server gets (None: shared memory off)."""
+        if self.shm_name == "auto":
+            return f"prefixshare-{self.port}"
+        return self.shm_name
 
     @model_validator(mode="after")
     def _ports(self) -> ServerSettings:

@@ -40,8 +40,8 @@ def server_argv(policy: Policy, *, executable: list[str] | None = None, redact: 
         "--http-host", srv.http_host,
         "--http-port", str(srv.http_port),
     ]  # fmt: skip
-    if srv.shm_name is not None:
-        argv += ["--shm-name", srv.shm_name]
+    if srv.shm_segment is not None:
+        argv += ["--shm-name", srv.shm_segment]
     for tier in policy.l2:
         cfg = tier.redacted() if redact else tier.adapter_config()
         argv += ["--l2-adapter", json.dumps(cfg, sort_keys=True, separators=(",", ":"))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +42,19 @@ _LIKELY_CAUSES: tuple[tuple[str, str], ...] = (
 #: so 0o644 under the usual 022): KV of every tenant readable by every local user. With 027 its files are
 #: 0o640 and its directories 0o750 (owner and group: the nodes' service accounts), nothing for others.
 SERVER_UMASK = 0o027
+
+
+#: where POSIX shared memory lives, and the prefix LMCache gives its L1 pool segment
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "lmcache_l1_pool_"
+
+
+def shm_path(segment: str | None) -> Path | None:
+    """The file of the server's shared-memory L1 pool (None when shared memory is off)."""
+    if not segment:
+        return None
+    bare = segment.lstrip("/")
+    return SHM_DIR / (bare if bare.startswith(SHM_PREFIX) else SHM_PREFIX + bare)
 
 
 def _port_open(host: str, port: int, timeout: float = 0.2) -> bool:
@@ -180,6 +194,7 @@ class LMCacheServer:
             if reason is not None:
                 raise ServerError(f"l2 tier {tier.describe()} is unreachable: {reason}. Start it, or fix its "
                                   f"address in the policy, before starting the LMCache server")
+        self._prepare_shm()
         argv = self.launcher + server_argv(self.policy)
         env = {**os.environ, **server_env(self.policy)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,6 +213,38 @@ class LMCacheServer:
         self._write_state(argv)
         self.log.info("server.ready", pid=self.process.pid, seconds=round(time.monotonic() - started, 2))
         return self
+
+    def _prepare_shm(self) -> None:
+        """Shared memory for engine<->server copies: the server's L1 pool lives in /dev/shm. With
+        ``shm_name: auto``, a /dev/shm too small for L1 (containers default to 64 MB) turns it off with a warning
+        instead of failing; a segment left by a killed server on this port is removed (no server answers here)."""
+        srv = self.policy.server
+        path = shm_path(srv.shm_segment)
+        if path is None:
+            return
+        if path.exists():
+            path.unlink(missing_ok=True)  # stale: we checked above that nothing listens on this port
+            self.log.info("server.shm_stale_removed", segment=str(path))
+        need = int(self.policy.l1.size_gb * 1e9 * 1.02)
+        try:
+            free = shutil.disk_usage(SHM_DIR).free
+        except OSError:
+            free = 0
+        if free >= need:
+            return
+        message = (f"/dev/shm has {free / 1e9:.2f} GB free, the server's L1 needs {need / 1e9:.2f} GB in it")
+        if srv.shm_name != "auto":
+            raise ServerError(f"server.shm_name {srv.shm_name!r}: {message}. Enlarge /dev/shm (e.g. docker run "
+                              "--shm-size), lower l1.size_gb, or set server.shm_name: null")
+        self.log.warning("server.shm_disabled", reason=message, effect="engine<->server copies go through the "
+                         "socket (slower loads)", fix="enlarge /dev/shm (docker --shm-size) or lower l1.size_gb")
+        self.policy = self.policy.model_copy(update={"server": srv.model_copy(update={"shm_name": None})})
+
+    def _release_shm(self) -> None:
+        """Remove the shared-memory segment of a server that is gone (a killed one cannot)."""
+        path = shm_path(self.policy.server.shm_segment)
+        if path is not None and self.process is not None and self.process.poll() is not None:
+            path.unlink(missing_ok=True)
 
     def _poll_ready(self) -> bool:
         """True once healthy; raises (not retried) when the process has already exited."""
@@ -230,6 +277,7 @@ class LMCacheServer:
         if not self.owned:
             return
         self._terminate(timeout_s)
+        self._release_shm()
         self.owned = False
         self.state_path.unlink(missing_ok=True)
         self.log.info("server.stopped")
@@ -249,6 +297,7 @@ class LMCacheServer:
         if self.process is not None and self.process.poll() is None:
             _signal_group(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=5)
+        self._release_shm()
 
     # --- state file for the CLI (start in one process, stop from another) --------------------------
     def _write_state(self, argv: list[str]) -> None:
@@ -282,6 +331,9 @@ class LMCacheServer:
         if _alive(pid):
             _signal_group(pid, signal.SIGKILL)
         self.state_path.unlink(missing_ok=True)
+        path = shm_path(self.policy.server.shm_segment)
+        if path is not None and not _alive(pid):
+            path.unlink(missing_ok=True)
         return True
 
     def __enter__(self) -> LMCacheServer:
