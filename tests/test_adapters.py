@@ -109,6 +109,139 @@ def test_runtime_namespace_admission_salt_and_stats(tmp_path: Path, policy: Poli
     assert stats["refused"] == {"min_tokens": 1, "request": 1}
 
 
+def _scheduler(tmp_path: Path, policy: Policy, instance: str) -> ConnectorRuntime:
+    from prefixshare.model import ensure_model
+
+    model = ensure_model(tmp_path.parent / "stats-model", shape="tiny", seed=0)
+    settings = EngineSettings(engine="vllm", kv_layout="vllm/cpu/NHD", kv_dtype="float32", block_size=32)
+    extra = {"prefixshare.policy": policy.to_dict(), "prefixshare.instance": instance}
+    return ConnectorRuntime(extra, model_dir=str(model), settings=settings, role="scheduler")
+
+
+def _snapshot(rt: ConnectorRuntime) -> dict:
+    return json.loads(rt._stats_path.read_text())
+
+
+def test_stats_are_written_off_the_request_path_and_promptly(tmp_path: Path, policy: Policy,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    rt = _scheduler(tmp_path, policy, "offpath")
+    writers: list[str] = []
+    flush = rt.flush
+    monkeypatch.setattr(rt, "flush", lambda *a, **k: (writers.append(threading.current_thread().name),
+                                                      flush(*a, **k))[1])
+    for i in range(50):  # a burst: the last requests must not be lost to the 50 ms throttle
+        rt.begin(f"r{i}", list(range(300)), None)
+        rt.finish(f"r{i}", 0)
+    assert threading.current_thread().name not in writers  # nothing written by the requests' thread
+    deadline = time.monotonic() + 2.0
+    while _snapshot(rt)["requests"] < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _snapshot(rt)["requests"] == 50 and not rt.dirty
+    assert set(writers) == {"prefixshare-stats"} and len(writers) <= 5  # at most every 50 ms, not per request
+    rt.close()
+
+
+def test_read_stats_waits_for_a_live_processs_snapshot(tmp_path: Path, policy: Policy) -> None:
+    import time
+
+    from prefixshare.adapters import _runtime
+
+    rt = _scheduler(tmp_path, policy, "waiter")
+    _runtime._LIVE.discard(rt)  # as if it ran in another process: only its .seq counter and the writer thread
+    rt._last_publish = time.monotonic() + 0.3  # the writer holds the next write back for ~0.35 s
+    rt.begin("r1", list(range(300)), None)
+    rt.finish("r1", 0)
+    assert rt.dirty and _runtime.read_counter(rt._stats_path.with_suffix(".seq")) > _snapshot(rt)["seq"]
+    t0 = time.monotonic()
+    assert read_stats("waiter")["requests"] == 1  # waited for the writer instead of returning the stale snapshot
+    assert 0.2 < time.monotonic() - t0 < _runtime.READ_SETTLE_S
+    rt.close()
+
+
+def test_read_stats_writes_this_processs_pending_snapshot(tmp_path: Path, policy: Policy) -> None:
+    rt = _scheduler(tmp_path, policy, "inproc")
+    rt.begin("r1", list(range(300)), None)
+    rt.finish("r1", 0)
+    assert read_stats("inproc")["requests"] == 1
+    rt.close()
+
+
+def test_close_writes_the_final_snapshot_and_leaks_no_thread(tmp_path: Path, policy: Policy) -> None:
+    import threading
+
+    for i in range(8):
+        rt = _scheduler(tmp_path, policy, f"closer{i}")
+        rt.begin("r1", list(range(300)), None)
+        rt.finish("r1", 0)
+        rt.close()
+        rt.close()  # idempotent
+        assert _snapshot(rt)["requests"] == 1 and not rt._stats_path.with_suffix(".seq").exists()
+        rt.publish()  # after close: nothing queued, nothing raised
+    assert sum(t.name == "prefixshare-stats" for t in threading.enumerate()) <= 1
+    assert all(t.daemon for t in threading.enumerate() if t.name == "prefixshare-stats")
+
+
+def test_cost_estimates_are_persisted_off_the_request_path_and_at_close(tmp_path: Path, policy: Policy,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    rt = _scheduler(tmp_path, policy, "coster")
+    assert rt.cost is not None and rt.cost.path is not None
+    savers: list[str] = []
+    save = rt.cost.save
+    monkeypatch.setattr(rt.cost, "save", lambda *a, **k: (savers.append(threading.current_thread().name),
+                                                          save(*a, **k))[1])
+    for i in range(5):
+        rt.cost.observe_lookup(256, 0.01 + i * 1e-3)
+    assert threading.current_thread().name not in savers  # observations never write
+    rt.close()  # the final estimates, whatever the writer's once-a-second limit
+    assert json.loads(rt.cost.path.read_text())["stores"][rt.cost.store]["lookup"]["n"] == 5
+
+
+def test_a_process_that_exits_leaves_its_final_snapshot(tmp_path: Path, policy: Policy) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from prefixshare.model import ensure_model
+
+    model = ensure_model(tmp_path.parent / "stats-model", shape="tiny", seed=0)
+    code = f"""
+import json
+from prefixshare.adapters._runtime import ConnectorRuntime
+from prefixshare.fingerprint import EngineSettings
+settings = EngineSettings(engine="vllm", kv_layout="vllm/cpu/NHD", kv_dtype="float32", block_size=32)
+rt = ConnectorRuntime({{"prefixshare.policy": json.loads({json.dumps(json.dumps(policy.to_dict()))}),
+                        "prefixshare.instance": "exiter"}}, model_dir={str(model)!r}, settings=settings,
+                      role="scheduler")
+for i in range(3):
+    rt.begin(f"r{{i}}", list(range(300)), None)
+    rt.finish(f"r{{i}}", 0)
+print(rt._stats_path)
+"""  # exits at once: the writer thread has not run; the atexit hook writes
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ})
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert json.loads(path.read_text())["requests"] == 3 and not path.with_suffix(".seq").exists()
+    assert read_stats("exiter")["requests"] == 3
+
+
+def test_admission_digest_is_cheap_stable_and_versioned() -> None:
+    from prefixshare.adapters._runtime import ADMISSION_DIGEST_VERSION, admission_digest, token_bytes
+
+    ids = list(range(100, 356))
+    assert token_bytes([1, 2**32 - 1]) == b"\x01\x00\x00\x00\xff\xff\xff\xff"  # little-endian u32
+    assert len(token_bytes([2**32])) == 2 + 8 and token_bytes([2**32]) != token_bytes([0, 1])
+    assert admission_digest(ids[:63], 64) is None
+    assert admission_digest(ids, 64) == admission_digest(ids + [7, 8], 64) == admission_digest(tuple(ids), 64)
+    assert admission_digest(ids, 64) != admission_digest(ids[::-1], 64)
+    # pinned: changing the encoding must bump ADMISSION_DIGEST_VERSION (and keep warm and the connector equal)
+    assert ADMISSION_DIGEST_VERSION == 2
+    assert admission_digest(ids, 64) == "23e2f0deaf6f3a0071024348ffe0adc9"
+
+
 # --- SGLang -----------------------------------------------------------------------------------------------
 
 

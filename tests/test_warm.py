@@ -157,6 +157,46 @@ def test_expected_salt_matches_the_connector(tenant: str | None, salt: str | Non
     assert expected_salt(tenant, salt) == (ConnectorRuntime.salt(None, info, salt) or "")  # type: ignore[arg-type]
 
 
+def test_admission_digest_matches_the_connector(tmp_path: Path, tiny: Path) -> None:
+    """warm() asks the admission rules with the digest the connector computes for the prompts that reuse the
+    warmed prefix (the document, then a question): they must be equal, or a frequency rule counts them apart."""
+    from prefixshare.warm._warm import _admission_digest
+
+    policy = Policy.build(chunk_size=CHUNK, l2=[{"type": "fs", "base_path": str(tmp_path)}],
+                          admission={"frequency": {"n": 2, "window": "1h"}})
+    settings = EngineSettings(engine="vllm", kv_layout="vllm/cpu/NHD", kv_dtype="float32", block_size=32)
+    rt = ConnectorRuntime({"prefixshare.policy": policy.to_dict(), "prefixshare.instance": "digest"},
+                          model_dir=str(tiny), settings=settings, role="scheduler")
+    try:
+        for n in (CHUNK - 1, CHUNK, 3 * CHUNK + 5, 40 * CHUNK):
+            prefix = [(i * 7919) % 32000 for i in range(n)]
+            question = [11, 12, 13]
+            for params, prompt in (({}, prefix),  # the prefill warm() sends
+                                   ({"prefixshare.prefix_tokens": n}, prefix + question),  # a prompt_for() prompt
+                                   ({"prefixshare.prefix_tokens": n}, tuple(prefix + question))):
+                info = rt.begin(f"r{n}-{len(params)}-{type(prompt).__name__}", prompt, params)
+                assert info.admission_request is not None
+                assert info.admission_request.prefix_digest == _admission_digest(prefix, CHUNK)
+        assert _admission_digest(list(range(CHUNK - 1)), CHUNK) is None
+    finally:
+        rt.close()
+
+
+def test_registry_prefix_digest_is_unchanged() -> None:
+    """Registry records persist tokens_digest: its bytes are what array('I', ids) gave (little-endian u32)."""
+    import array
+    import sys
+
+    import blake3
+
+    from prefixshare.warm._template import tokens_digest
+
+    ids = [0, 1, 255, 256, 65535, 65536, 151_935, 2**32 - 1]
+    if sys.byteorder == "little":
+        assert tokens_digest(ids) == blake3.blake3(array.array("I", ids).tobytes()).hexdigest()[:32]
+    assert tokens_digest(ids) == "faf781f6b3c851dcf073a0ea0f44cbae"  # the value before token_bytes
+
+
 # --- registry ----------------------------------------------------------------------------------------------------
 
 
@@ -292,6 +332,50 @@ def test_missing_chunks_fail_verification(setup: Any) -> None:
         warm(ps, {"guide": _docs()["guide"]}, eng, verify_timeout_s=0.3)
     result = info.value.report.documents[0]  # type: ignore[union-attr]
     assert result.status == "failed" and result.verified is False and "chunks are not in the store" in result.reason
+
+
+def test_verification_polls_promptly_for_chunks_the_server_writes_late(setup: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server writes L2 after the prefill returns: warm sees the chunks soon after they land (polls from 5 ms,
+    growing by half), listing the directory each time instead of a stat per chunk file."""
+    import threading
+    import time
+
+    import prefixshare.warm._chunks as chunks
+
+    ps, eng, store = setup
+    landed: list[float] = []
+    prefill = eng.prefill
+
+    def late_prefill(requests: list[PrefillRequest]) -> list[PrefillResult]:
+        eng.write = False
+        out = prefill(requests)
+        eng.write = True
+
+        def write_later() -> None:
+            time.sleep(0.12)
+            prefill(requests)
+            landed.append(time.monotonic())
+
+        threading.Thread(target=write_later).start()
+        return out
+
+    stats: list[str] = []
+    real_stat = Path.stat
+    monkeypatch.setattr(Path, "stat", lambda self, *a, **k: (stats.append(self.name), real_stat(self, *a, **k))[1])
+    monkeypatch.setattr(eng, "prefill", late_prefill)
+    scans: list[float] = []
+    real_scan = chunks.NamespaceIndex.scan.__func__
+    monkeypatch.setattr(chunks.NamespaceIndex, "scan",
+                        classmethod(lambda cls, *a: (scans.append(time.monotonic()), real_scan(cls, *a))[1]))
+    report = warm(ps, {"guide": _docs()["guide"]}, eng)
+    done = time.monotonic()
+    result = report.documents[0]
+    assert result.status == "warmed" and result.verified is True and result.bytes == 4096 * CHUNK * result.chunks
+    assert landed and done - landed[0] < 0.1  # (a generous bound: shared CI machines are slow)
+    assert len(scans) >= 4
+    # sizes are read once, for the warmed document's files only (not a stat per file on every poll)
+    assert sorted(s for s in stats if s.endswith(".data")) == sorted(f.name for f in store.glob("*.data"))
 
 
 def test_a_document_longer_than_the_context_is_refused_before_any_work(setup: Any) -> None:

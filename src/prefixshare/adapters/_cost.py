@@ -29,6 +29,7 @@ Nothing here imports an engine: the vLLM connector and the SGLang backend feed i
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+import structlog
 
 from prefixshare._log import get_logger
 from prefixshare._paths import run_dir
@@ -57,6 +59,26 @@ MIN_PREFILL_TOKENS = 32
 KEEP_DECISIONS = 16
 _MB = 1e6
 _VERSION = 1
+
+_INFO: tuple[Any, bool] = (None, True)
+
+
+def info_enabled() -> bool:
+    """Whether structlog's configured wrapper lets INFO events through. The per-request events (decisions, outcomes,
+    finished requests) ask first: a call through a logger proxy binds a logger (~3 us) even when the level then
+    drops the event. Cached per configuration, so a later ``configure()`` is honoured; a wrapper that cannot say
+    (structlog's stdlib wrapper, say) counts as enabled."""
+    global _INFO
+    wrapper = structlog.get_config()["wrapper_class"]
+    cached, enabled = _INFO
+    if wrapper is not cached:
+        check = getattr(wrapper, "is_enabled_for", None)
+        try:
+            enabled = bool(check(None, logging.INFO)) if check is not None else True
+        except Exception:  # noqa: BLE001 - unknown wrapper: log as before
+            enabled = True
+        _INFO = (wrapper, enabled)
+    return enabled
 
 
 class Fit:
@@ -79,6 +101,18 @@ class Fit:
         if not (math.isfinite(y) and y >= 0) or any(not math.isfinite(v) for v in x):
             return
         keep = 1.0 - self.alpha if self.n else 0.0
+        if self.dim == 2:  # every fit here, unrolled (the same arithmetic as the loop below, on the request path)
+            x0, x1 = x
+            xy, (r0, r1) = self.xy, self.xx
+            xy[0] = keep * xy[0] + x0 * y
+            r0[0] = keep * r0[0] + x0 * x0
+            r0[1] = keep * r0[1] + x0 * x1
+            xy[1] = keep * xy[1] + x1 * y
+            r1[0] = keep * r1[0] + x1 * x0
+            r1[1] = keep * r1[1] + x1 * x1
+            self.n += 1
+            self.w = self._solve2()
+            return
         for i in range(self.dim):
             self.xy[i] = keep * self.xy[i] + x[i] * y
             for j in range(self.dim):
@@ -129,9 +163,12 @@ class Fit:
         return quad - 2 * sum(w[i] * self.xy[i] for i in range(self.dim))
 
     def predict(self, x: tuple[float, ...] | list[float]) -> float | None:
-        if self.w is None:
+        w = self.w
+        if w is None:
             return None
-        return max(0.0, sum(wi * xi for wi, xi in zip(self.w, x, strict=True)))
+        if len(w) == 2 == len(x):
+            return max(0.0, w[0] * x[0] + w[1] * x[1])
+        return max(0.0, sum(wi * xi for wi, xi in zip(w, x, strict=True)))
 
     def to_dict(self) -> dict[str, Any]:
         return {"n": self.n, "xx": self.xx, "xy": self.xy, "w": self.w}
@@ -234,7 +271,8 @@ class CostModel:
         # lookup and transfer: seconds ~ latency + MB / bandwidth
         self.lookup = Fit(2, ridge=(1e-9, 1e-9))
         self.transfer = Fit(2, ridge=(1e-9, 1e-9))
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=KEEP_DECISIONS)
+        #: the newest decisions with their outcomes (made dicts when a snapshot is taken, off the request path)
+        self.decisions: deque[Decision] = deque(maxlen=KEEP_DECISIONS)
         self.pending: dict[str, Decision] = {}
         self.counts: Counter[str] = Counter()
         self.abs_errors: deque[float] = deque(maxlen=KEEP_DECISIONS)
@@ -248,6 +286,9 @@ class CostModel:
         self._dirty = False
         self.log = log or get_logger("prefixshare.cost")
         self.path = run_dir() / "cost" / f"{namespace}.json" if persist else None
+        #: when set (the connector's stats writer), a change only calls this: the estimates (and the decisions in the
+        #: stats snapshot) are written off the request path by that writer, which calls :meth:`save` itself
+        self.defer: Any = None
         self.loaded_from: str | None = None
         if self.path is not None:
             self._load()
@@ -266,7 +307,15 @@ class CostModel:
         self.lookup.load(data.get("stores", {}).get(self.store, {}).get("lookup", {}))
         self.loaded_from = str(self.path)
 
+    def _changed(self, force: bool = False) -> None:
+        """The estimates changed: persist them (deferred to the connector's writer thread when it has one)."""
+        if self.defer is not None:
+            self.defer()
+        else:
+            self.save(force=force)
+
     def save(self, force: bool = False) -> None:
+        """Write the estimates to the run dir, in this thread (at most once a second unless ``force``)."""
         if self.path is None or not self._dirty:
             return
         now = time.monotonic()
@@ -314,7 +363,7 @@ class CostModel:
         with self._lock:
             self.prefill.observe((x1, x2), seconds)
             self._dirty = True
-        self.save()
+        self._changed()
         return True
 
     def observe_lookup(self, hit_tokens: int, seconds: float) -> None:
@@ -322,7 +371,7 @@ class CostModel:
         with self._lock:
             self.lookup.observe((1.0, hit_tokens * self.kv_bytes_per_token / _MB), seconds)
             self._dirty = True
-        self.save()
+        self._changed()
 
     def observe_transfer(self, tokens: int, seconds: float) -> None:
         if tokens <= 0:
@@ -330,7 +379,7 @@ class CostModel:
         with self._lock:
             self.transfer.observe((1.0, tokens * self.kv_bytes_per_token / _MB), seconds)
             self._dirty = True
-        self.save()
+        self._changed()
 
     # --- predictions ----------------------------------------------------------------------------------
     def prefill_s(self, start: int, end: int) -> float | None:
@@ -465,10 +514,11 @@ class CostModel:
             self.counts[f"{d.phase}:{d.decision}"] += 1
             if d.phase == "before_lookup":
                 self._recompute_streak = self._recompute_streak + 1 if d.decision == "recompute" else 0
-        self.log.info("load.decision", request_id=d.request_id, phase=d.phase, decision=d.decision, reason=d.reason,
-                      mode=d.mode, prompt_tokens=d.prompt_tokens, local_tokens=d.local_tokens,
-                      load_tokens=d.load_tokens, predicted_load_s=d.predicted_load_s,
-                      predicted_recompute_s=d.predicted_recompute_s, predicted_s=d.predicted_s)
+        if info_enabled():
+            self.log.info("load.decision", request_id=d.request_id, phase=d.phase, decision=d.decision, reason=d.reason,
+                          mode=d.mode, prompt_tokens=d.prompt_tokens, local_tokens=d.local_tokens,
+                          load_tokens=d.load_tokens, predicted_load_s=d.predicted_load_s,
+                          predicted_recompute_s=d.predicted_recompute_s, predicted_s=d.predicted_s)
         return d
 
     def outcome(self, request_id: str, *, finished_at: float | None = None, loaded_tokens: int = 0,
@@ -483,13 +533,16 @@ class CostModel:
         d.observed_transfer_s = transfer_s
         error = d.error
         with self._lock:
-            self.decisions.append(d.to_dict())
+            self.decisions.append(d)
             if error is not None:
                 self.abs_errors.append(abs(error))
-        self.log.info("load.outcome", request_id=d.request_id, phase=d.phase, decision=d.decision,
-                      predicted_s=d.predicted_s, observed_s=d.observed_s, error=error, loaded_tokens=loaded_tokens,
-                      observed_lookup_s=d.observed_lookup_s, observed_transfer_s=transfer_s)
-        self.save(force=True)  # once per request: a replica that exits next leaves its estimates behind
+        if info_enabled():
+            self.log.info("load.outcome", request_id=d.request_id, phase=d.phase, decision=d.decision,
+                          predicted_s=d.predicted_s, observed_s=d.observed_s, error=error, loaded_tokens=loaded_tokens,
+                          observed_lookup_s=d.observed_lookup_s, observed_transfer_s=transfer_s)
+        # once per request: a replica that exits next leaves its estimates behind (the connector's writer thread
+        # writes them within its publish interval and at exit; a bare model writes them now)
+        self._changed(force=True)
         return d
 
     def forget(self, request_id: str) -> None:
@@ -505,7 +558,7 @@ class CostModel:
                 "decisions": dict(self.counts),
                 "median_abs_error": errors[len(errors) // 2] if errors else None,
                 "estimates": self.estimates(),
-                "recent": list(self.decisions),
+                "recent": [d.to_dict() for d in self.decisions],
             }
 
 

@@ -142,12 +142,18 @@ def blake3_chunk_hashes(token_ids: list[int], chunk_size: int) -> list[str]:
 
 @dataclass
 class NamespaceIndex:
-    """Chunk files of one namespace in the directory tiers: hash -> objects (kv_rank, group) per salt."""
+    """Chunk files of one namespace in the directory tiers: hash -> objects (kv_rank, group) per salt.
+
+    A scan reads directory entries only (names, no ``stat`` per file): it is what warm polls while the server
+    writes; sizes are read on demand, for the files :meth:`bytes_of` is asked about."""
 
     namespace: str
     objects: dict[tuple[str, str], set[tuple[int, int]]] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     world_size: int = 1
+    #: the directory each file was seen in (the first tier holding it)
+    dirs: dict[str, Path] = field(default_factory=dict)
+    _expected: set[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def scan(cls, dirs: Iterable[Path], namespace: str) -> NamespaceIndex:
@@ -162,18 +168,27 @@ class NamespaceIndex:
                     continue
                 index.objects.setdefault((parsed.chunk_hash, parsed.salt), set()).add(parsed.object)
                 index.world_size = max(index.world_size, parsed.world_size)
-                try:
-                    index.sizes[entry.name] = entry.stat().st_size
-                except OSError:
-                    continue
+                index.dirs.setdefault(entry.name, directory)
         return index
 
+    def size(self, name: str) -> int:
+        """Bytes of one file of the index (0 when it is gone or unreadable); read once."""
+        if name not in self.sizes:
+            directory = self.dirs.get(name)
+            try:
+                self.sizes[name] = (directory / name).stat().st_size if directory is not None else 0
+            except OSError:
+                self.sizes[name] = 0
+        return self.sizes[name]
+
     def expected_objects(self) -> set[tuple[int, int]]:
-        """Objects every chunk of this namespace has (all ranks x all groups seen)."""
-        seen: set[tuple[int, int]] = set()
-        for objs in self.objects.values():
-            seen |= objs
-        return seen
+        """Objects every chunk of this namespace has (all ranks x all groups seen); computed once per scan."""
+        if self._expected is None:
+            seen: set[tuple[int, int]] = set()
+            for objs in self.objects.values():
+                seen |= objs
+            self._expected = seen
+        return set(self._expected)
 
     def missing(self, hashes: list[str], salt: str, expected: set[tuple[int, int]] | None = None) -> list[str]:
         """Hashes of ``hashes`` not fully present (some expected object missing)."""
@@ -197,7 +212,7 @@ class NamespaceIndex:
         return names
 
     def bytes_of(self, hashes: list[str], salt: str) -> int:
-        return sum(self.sizes.get(name, 0) for name in self.files_of(hashes, salt))
+        return sum(self.size(name) for name in self.files_of(hashes, salt))
 
 
 def _scandir(directory: Path) -> Iterator[os.DirEntry[str]]:

@@ -140,10 +140,8 @@ def question_ids(tokenizer: Any, template: Template, question: str) -> list[int]
 
 
 def tokens_digest(ids: list[int]) -> str:
-    """blake3 of token ids (little-endian u32), 32 hex: the registry's prefix digest."""
-    import array
+    """blake3 of token ids (little-endian u32), 32 hex: the registry's prefix digest (persisted: its bytes must not
+    change; ``token_bytes`` packs exactly what ``array('I', ids).tobytes()`` did on little-endian machines)."""
+    from prefixshare.adapters._runtime import token_bytes
 
-    data = array.array("I", ids)
-    if data.itemsize != 4:  # pragma: no cover - every platform we run on has 4-byte unsigned int
-        data = array.array("L", ids)
-    return blake3.blake3(data.tobytes()).hexdigest()[:32]
+    return blake3.blake3(token_bytes(ids)).hexdigest()[:32]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 import uuid
@@ -17,7 +16,14 @@ import blake3
 
 from prefixshare import __version__, _metrics
 from prefixshare._log import get_logger
-from prefixshare.adapters._runtime import REQ_DOCUMENT, REQ_PREFIX_TOKENS, REQ_TENANT, namespace, tenant_salt
+from prefixshare.adapters._runtime import (
+    REQ_DOCUMENT,
+    REQ_PREFIX_TOKENS,
+    REQ_TENANT,
+    admission_digest,
+    namespace,
+    tenant_salt,
+)
 from prefixshare.errors import PrefixShareError
 from prefixshare.warm._chunks import ChunkHasher, NamespaceIndex, store_dirs, store_root
 from prefixshare.warm._documents import Document, DocumentError, _from_string, _pair, resolve_documents, split_text
@@ -167,8 +173,8 @@ def expected_salt(tenant: str | None, cache_salt: str | None = None) -> str:
 
 
 def _admission_digest(ids: list[int], chunk_size: int) -> str | None:
-    aligned = len(ids) - len(ids) % chunk_size
-    return blake3.blake3(json.dumps(list(ids[:aligned])).encode()).hexdigest()[:32] if aligned else None
+    """The ``prefix_digest`` the connector gives the admission rules for a prompt whose prefix is ``ids``."""
+    return admission_digest(ids, chunk_size)
 
 
 def _params(doc_id: str, prefix_tokens: int, tenant: str | None) -> dict[str, Any]:
@@ -409,16 +415,29 @@ def _batches(items: list[_Planned], budget: int) -> list[list[_Planned]]:
     return batches
 
 
+#: verification polls: first after this many seconds, each wait 1.5x the last, at most VERIFY_POLL_MAX_S
+VERIFY_POLL_FIRST_S = 0.005
+VERIFY_POLL_MAX_S = 0.2
+
+
 def _wait_for_chunks(dirs: list[Path], ns: str, items: list[_Planned], salt: str, timeout_s: float) -> NamespaceIndex:
-    """Scan the namespace until every chunk of ``items`` is there (the server writes L2 asynchronously)."""
+    """Scan the namespace until every chunk of ``items`` is there (the server writes L2 asynchronously).
+
+    The server's write usually lands within tens of milliseconds of the prefill: polls start at 5 ms and grow
+    by half each time (at most 200 ms apart), so the wait overshoots the write by at most a third. Each poll is
+    one listing of the tier directories (names only), not a ``stat`` per chunk."""
     deadline = time.monotonic() + timeout_s
-    delay = 0.05
+    delay = VERIFY_POLL_FIRST_S
     while True:
         index = NamespaceIndex.scan(dirs, ns)
-        if all(not index.missing(i.hashes, salt) for i in items) or time.monotonic() >= deadline:
+        expected = index.expected_objects()
+        if all(not index.missing(i.hashes, salt, expected) for i in items):
             return index
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return index
+        time.sleep(min(delay, left))
+        delay = min(delay * 1.5, VERIFY_POLL_MAX_S)
 
 
 def _record(item: _Planned, res: DocumentResult, fingerprint: str, ns: str, chunk_size: int,
