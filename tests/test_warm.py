@@ -151,7 +151,8 @@ def test_chunk_file_names_round_trip() -> None:
 
 
 @pytest.mark.parametrize(("tenant", "salt"), [(None, None), ("acme", None), ("acme", "s1"), (None, "s1"),
-                                              ("a@b/c", None), ("t" * 64, "x" * 100)])
+                                              ("a@b/c", None), ("t" * 64, "x" * 100), ("acme", "t-acme"),
+                                              (None, "t-acme")])
 def test_expected_salt_matches_the_connector(tenant: str | None, salt: str | None) -> None:
     info = RequestInfo("r", 10, tenant=tenant)
     assert expected_salt(tenant, salt) == (ConnectorRuntime.salt(None, info, salt) or "")  # type: ignore[arg-type]
@@ -402,6 +403,12 @@ def test_tenant_documents_are_stored_under_the_tenant_salt(setup: Any) -> None:
     assert all(p.name.endswith("@t-acme.data") for p in store.glob("*.data"))
     record = Registry(store).get(eng.fp.digest, "manual-t")
     assert record is not None and record.salt == "t-acme" and record.tenant == "acme"
+    # the engine's own prefix cache is split by tenant too (the timing side channel): prompts carry the salt,
+    # which the store key does not count twice
+    doc = ("manual-t", _docs()["guide"])
+    prompt = prompt_for(ps, doc, "Q?", engine=eng, tenant="acme")
+    assert prompt.engine_input()["cache_salt"] == "t-acme" and expected_salt("acme", "t-acme") == "t-acme"
+    assert "cache_salt" not in prompt_for(ps, doc, "Q?", engine=eng).engine_input()
 
 
 def test_prompt_for_a_registered_document_rereads_its_file(setup: Any, tmp_path: Path) -> None:

@@ -67,13 +67,16 @@ What closes it in prefixshare:
 * **per deployment, the policy's `tenant`**: part of the compatibility fingerprint, hence of the store
   namespace: deployments of different tenants share nothing, not even documents warmed without a tenant.
 
-What prefixshare does **not** close by itself: the **engine's own prefix cache** (vLLM's, in GPU/CPU memory).
-It is keyed by the prompt and by vLLM's own per-request `cache_salt` only, and the connector sees requests
-after vLLM has already matched them against it. On one engine serving several tenants, tenant B's request
-reuses the blocks tenant A's identical prefix left behind (measured below: {leak}). Pass vLLM's `cache_salt`
-(the prompt's `"cache_salt"` field, or `cache_salt` in the OpenAI request) set to the tenant on every request,
-together with `prefixshare.tenant`; with it the same request loads nothing ({salted}). Within one tenant, the
-channel stays open by design: that is the sharing.
+* **the engine's own prefix cache** (vLLM's, in GPU/CPU memory) is keyed by the prompt and by vLLM's own
+  per-request `cache_salt` only, and the connector sees requests after vLLM has matched them against it. On
+  one engine serving several tenants, tenant B's request reuses the blocks tenant A's identical prefix left
+  behind (measured: {leak}). The tenant's salt as vLLM's `cache_salt` closes it ({salted}): prompts built
+  by `prompt_for(..., tenant=...)` carry it (`engine_input()["cache_salt"]`), and prefixshare counts it once
+  in the store key, so warmed documents still hit. Requests you build yourself (or send over HTTP) must set
+  `cache_salt` to `t-<tenant>` (the prompt's `"cache_salt"` field, or `cache_salt` in the OpenAI request)
+  next to `prefixshare.tenant`; the connector cannot add it after vLLM's own lookup.
+
+Within one tenant, the channel stays open by design: that is the sharing.
 """
 
 LIMITS = """## Known limits

@@ -72,9 +72,10 @@ def run(work: Path, model: Path, docs: dict[str, list[int]], server: LMCacheServ
     # the timing side channel: the ENGINE's own prefix cache (not the store) across tenants on one engine
     steps.append(gen("local-acme", docs["l"], params={"prefixshare.tenant": "acme"}))
     steps.append(gen("local-globex", docs["l"], params={"prefixshare.tenant": "globex"}, reset=False))
-    steps.append(gen("local-acme-2", docs["j"], params={"prefixshare.tenant": "acme"}, cache_salt="acme"))
-    steps.append(gen("local-globex-salted", docs["j"], params={"prefixshare.tenant": "globex"}, cache_salt="globex",
-                     reset=False))
+    # ...closed by the tenant's salt as the engine's cache_salt: what prompt_for's engine_input() sends
+    steps.append(gen("local-acme-2", docs["j"], params={"prefixshare.tenant": "acme"}, cache_salt="t-acme"))
+    steps.append(gen("local-globex-salted", docs["j"], params={"prefixshare.tenant": "globex"},
+                     cache_salt="t-globex", reset=False))
     return run_steps(work, "isolation", model, server.policy, steps)
 
 
@@ -293,7 +294,8 @@ def test_the_engines_own_prefix_cache_is_a_timing_side_channel_unless_salted(
 ) -> None:
     """prefixshare's tenant salts the STORE's keys. vLLM's own prefix cache is keyed by the prompt (and vLLM's
     per-request ``cache_salt``) only: on one engine, tenant B's request reuses blocks tenant A's request left,
-    which shows in B's time to first token. Setting vLLM's ``cache_salt`` per tenant closes it."""
+    which shows in B's time to first token. Setting vLLM's ``cache_salt`` to the tenant's salt closes it; prompts
+    from ``prompt_for(..., tenant=...)`` carry it (the store key counts it once)."""
     by = run["by_name"]
     leak, salted = by["local-globex"], by["local-globex-salted"]
     assert leak["num_cached_tokens"] >= 576, leak["num_cached_tokens"]  # blocks of acme's request, reused
@@ -302,7 +304,8 @@ def test_the_engines_own_prefix_cache_is_a_timing_side_channel_unless_salted(
     record(Row("isolation and exposure", "tenant B sends tenant A's prompt to the same engine right after A "
                "(engine prefix cache not cleared)",
                "the store is not read (tenant salt) but vLLM's own prefix cache serves B from A's blocks: a "
-               "timing side channel (TTFT); closed by passing vLLM's cache_salt per tenant (then 0 cached tokens)",
+               "timing side channel (TTFT); closed by the tenant's salt as vLLM's cache_salt, which prompt_for "
+               "sends (raw requests: cache_salt 't-<tenant>'); then 0 cached tokens",
                requests=2, hits=1, identical_to_cold=True,
                extra={"unsalted_cached_tokens": leak["num_cached_tokens"], "unsalted_s": round(leak["seconds"], 3),
                       "salted_cached_tokens": 0, "salted_s": round(salted["seconds"], 3)}))

@@ -377,7 +377,9 @@ class ConnectorRuntime:
         parts = [tenant_salt(info.tenant)] if info.tenant else []
         if lora_name:
             parts.append("lora-" + blake3.blake3(lora_name.encode()).hexdigest()[:12])
-        if request_salt:
+        # the engine's own salt set to the tenant's (what prompt_for does, to split the engine's prefix cache by
+        # tenant too) is not a second component: the store key is the same with or without it
+        if request_salt and not (parts and request_salt == parts[0] and info.tenant):
             parts.append(request_salt)
         if not parts:
             return request_salt

@@ -162,7 +162,7 @@ class _Planned:
 def expected_salt(tenant: str | None, cache_salt: str | None = None) -> str:
     """The cache salt the connector gives a request with this tenant and request salt (the file suffix)."""
     parts = [tenant_salt(tenant)] if tenant else []
-    if cache_salt:
+    if cache_salt and not (tenant and cache_salt == parts[0]):
         parts.append(cache_salt)
     if not parts:
         return cache_salt or ""
@@ -329,7 +329,8 @@ def warm(
         eng.reset_prefix_cache()  # a forced warm must compute (and store) again, not hit its own cache
     for batch in _batches(todo, batch_tokens):
         t0 = time.monotonic()
-        requests = [PrefillRequest(i.ids, _params(i.doc.id, len(i.ids), tenant), cache_salt) for i in batch]
+        engine_salt = cache_salt or (tenant_salt(tenant) if tenant else None)  # as Prompt.engine_input
+        requests = [PrefillRequest(i.ids, _params(i.doc.id, len(i.ids), tenant), engine_salt) for i in batch]
         results = eng.prefill(requests)
         seconds = time.monotonic() - t0
         batch_tokens_n = sum(len(i.ids) for i in batch) or 1
@@ -477,9 +478,13 @@ class Prompt:
         return _params(self.document_id, self.prefix_tokens, self.tenant)
 
     def engine_input(self) -> dict[str, Any]:
+        """The engine prompt. A tenant's prompt carries the tenant's salt as the engine's ``cache_salt`` (unless
+        one is given), so the engine's own prefix cache is split by tenant too: without it, a tenant could time
+        another's cached prefix (a hit answers faster) on a shared engine."""
         out: dict[str, Any] = {"prompt_token_ids": list(self.token_ids)}
-        if self.cache_salt:
-            out["cache_salt"] = self.cache_salt
+        salt = self.cache_salt or (tenant_salt(self.tenant) if self.tenant else None)
+        if salt:
+            out["cache_salt"] = salt
         return out
 
     def __len__(self) -> int:
