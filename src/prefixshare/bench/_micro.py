@@ -126,17 +126,21 @@ class _Obj:
         self.byte_array = bytearray(size)
 
 
-def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int) -> dict[str, Any]:
-    """Store and load ``chunks`` objects of ``chunk_bytes`` through LMCache's fs L2 adapter (the MP server's
-    fs tier, driven directly), page cache warm and evicted: the store path without the engine."""
+def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int, *, checked: bool = True) -> dict[str, Any]:
+    """Store and load ``chunks`` objects of ``chunk_bytes`` through the MP server's fs tier adapter, driven
+    directly, page cache warm and evicted: the store path without the engine. ``checked``: prefixshare's adapter
+    (LMCache's fs adapter plus the integrity digest, the fs tier's default); else LMCache's plain one."""
     import uuid
 
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     from lmcache.v1.distributed.api import ObjectKey
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 
+    from prefixshare.tiers._fs_adapter import CheckedFSL2Adapter
+
     directory.mkdir(parents=True, exist_ok=True)
-    adapter = FSL2Adapter(FSL2AdapterConfig(base_path=str(directory)))
+    config = FSL2AdapterConfig(base_path=str(directory))
+    adapter = CheckedFSL2Adapter(config) if checked else FSL2Adapter(config)
     payload = os.urandom(chunk_bytes)
     writes, warm, cold = [], [], []
     try:

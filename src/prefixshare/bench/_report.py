@@ -179,10 +179,12 @@ def render_markdown(results: dict[str, Any], docs_path: Path) -> str:
         "(posix_fadvise DONTNEED) before each request, so its reads come from the disk (the *evicted* limit, "
         "`limit_evicted_s` in results.json).",
         "",
-        "## P3: the store medium — LMCache's fs L2 path vs raw sequential I/O (GB/s)",
+        "## P3: the store medium — the fs tier's L2 path vs raw sequential I/O (GB/s)",
         "",
-        "LMCache's fs L2 adapter (the MP server's fs tier) driven directly: one file per chunk, written without "
-        "fsync like the server does; raw: one file of the same total size, sequential `write`/`readinto`.",
+        "The MP server's fs tier adapter driven directly — LMCache's fs adapter plus prefixshare's integrity digest "
+        "(blake3 over every chunk, on store and on load; `integrity: none` drops it, see docs/tiers.md for both): "
+        "one file per chunk, written without fsync like the server does; raw: one file of the same total size, "
+        "sequential `write`/`readinto`.",
         "",
         "| tokens | MB | raw write | fs L2 write | raw read (cache) | fs L2 read (cache) | raw read (evicted) "
         "| fs L2 read (evicted) | fs/raw write, read, read evicted |",
@@ -228,9 +230,10 @@ def render_markdown(results: dict[str, Any], docs_path: Path) -> str:
         "## P5: prefixshare's own per-request overhead",
         "",
         "Scheduler-side work per request, timed in-process: admission, identity, namespace and salt, stats, the "
-        "cost model's decisions and observations, plus one stats snapshot (published at most every 50 ms).",
+        "cost model's decisions and observations, plus handing the stats snapshot to the writer thread (which "
+        "writes it at most every 50 ms, off the request path).",
         "",
-        "| tokens | calls µs (median, min–max) | snapshot µs | total µs | % of warm TTFT | % of cold TTFT "
+        "| tokens | calls µs (median, min–max) | hand-off µs | total µs | % of warm TTFT | % of cold TTFT "
         "| total µs with admission rules |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -307,12 +310,17 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
             f"{_ms(cost['observed_transfer_s']) if cost.get('observed_transfer_s') else '?'}. Over the whole run the "
             f"cost model's fit of the transfer is {est.get('transfer_gbps')} GB/s — against "
             f"{rows[str(lengths[-1])]['io']['raw']['read_warm_gbps']['median']:.1f} GB/s for reading the same bytes "
-            "from the page cache. The transfer is LMCache's engine-driven *pickle* transport (no shared-memory "
-            "segment configured): the server copies each chunk (`tensor.cpu().clone()`), pickles the list, "
-            "msgpack-encodes the reply and sends it over a ZMQ TCP socket; the engine unpickles it and copies it into "
-            "its KV blocks (`lmcache/v1/multiprocess/modules/server_transfer.py`, `PickleTransferStrategy."
-            "prepare_retrieve`). The engine-side profile of that request (its LMCache, unpickling, waiting and model "
-            "rows), by cumulative time; `acquire` is the engine waiting for the server's reply:",
+            "from the page cache. "
+            + ("The transfer is LMCache's engine-driven *shared-memory* transport (`server.shm_name`): the server's "
+               "L1 pool is mapped in the engine, which copies each chunk into its KV blocks "
+               "(`lmcache/v1/multiprocess/transfer_context/shm.py`); what remains is per-chunk RPCs and copies. "
+               if results.get("transport") == "shared memory" else
+               "The transfer is LMCache's engine-driven *pickle* transport (no shared-memory segment configured): "
+               "the server copies each chunk (`tensor.cpu().clone()`), pickles the list, msgpack-encodes the reply "
+               "and sends it over a ZMQ TCP socket; the engine unpickles it and copies it into its KV blocks "
+               "(`lmcache/v1/multiprocess/modules/server_transfer.py`, `PickleTransferStrategy.prepare_retrieve`). ")
+            + "The engine-side profile of that request (its LMCache, waiting and model rows), by cumulative time; "
+            "`acquire` is the engine waiting for the server's reply:",
             "",
             "| function | calls | own s | cumulative s |",
             "|---|---|---|---|",
@@ -322,12 +330,13 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
         out.append("")
     if not goals["P3"]["pass"]:
         out += [
-            "**The fs L2 path (P3).** LMCache's fs adapter writes and reads one file per chunk, chunk after chunk, "
-            "each `open`/`write`/`readinto`/`replace`/`exists` a hop through aiofiles' thread pool "
-            "(`lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py`, `_execute_store` / `_execute_load`); the raw "
-            "reference is one sequential stream over one file (larger kernel read-ahead, no per-file work); the "
-            "ratios per length are in the P3 table. LMCache also ships a native (C++) fs adapter (`fs_native`, "
-            "worker threads) that prefixshare's fs tier does not use yet; not measured here.",
+            "**The fs L2 path (P3).** The fs tier writes and reads one file per chunk, chunk after chunk (LMCache's "
+            "file layout: `lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py`), and hashes every chunk with blake3 "
+            "(about 8 GB/s on one core here: on a page-cache read of ~10 GB/s that halves the rate; see "
+            "docs/tiers.md's throughput table for the plain adapter beside it); the raw reference is one sequential "
+            "stream over one file (larger kernel read-ahead, no per-file work); the ratios per length are in the "
+            "P3 table. LMCache also ships a native (C++) fs adapter (`fs_native`, worker threads) that prefixshare's "
+            "fs tier does not use yet; not measured here.",
             "",
         ]
     if not goals["P5"]["pass"]:
@@ -336,8 +345,8 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
         out += [
             f"**prefixshare's own overhead (P5).** Of {o['total_us']:.0f} µs per request at {worst} tokens, "
             f"{o['calls_us']['median']:.0f} µs are the per-request calls (admission, namespace and salt, stats, the "
-            f"cost model) and {o['publish_us']['median']:.0f} µs the stats snapshot, a JSON file the scheduler "
-            "writes at most every 50 ms (`ConnectorRuntime.publish`: most of it is the write and rename).",
+            f"cost model) and {o['publish_us']['median']:.1f} µs handing the stats snapshot to the writer thread "
+            "(`ConnectorRuntime.publish`; the write itself is off the request path).",
             "",
         ]
     if not goals["P6"]["pass"]:

@@ -373,6 +373,8 @@ class Bench:
         results = {
             "command": s.command,
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
+            # how KV moves between the engines and the server (the policy's server.shm_name)
+            "transport": "shared memory" if self._policy().server.shm_segment else "pickle",
             "machine": info, "load_average_end": load_end,
             "model": {"shape": s.shape, "path": str(self.model), "kv_bytes_per_token": kvb},
             "kv_bytes_per_token": {"measured": kv_measured, "plan": predicted,
