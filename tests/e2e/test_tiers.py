@@ -22,6 +22,7 @@ import pytest
 
 from conftest import free_port, run_mp_client
 from e2e.common import document_ids, policy_for, run_replica, same_output
+from faults._matrix import Row, record
 from prefixshare.policy import Policy
 from prefixshare.server import LMCacheServer
 
@@ -110,6 +111,13 @@ def test_vllm_replicas_on_two_nodes_share_through_redis_and_survive_its_death(
     assert b_third["seconds"] <= cold_third["seconds"] + 1.0, (b_third["seconds"], cold_third["seconds"])
     print(f"FIGURES redis-killed: cold {cold_second['seconds']:.3f}s -> {b_second['seconds']:.3f}s, "
           f"next {cold_third['seconds']:.3f}s -> {b_third['seconds']:.3f}s")
+    record(Row("store down", "Redis (resp tier) killed between two requests; two MP servers as two nodes",
+               "the first request after it recomputes (its lookup fails as a miss), the next skips the tier "
+               "(health gate: PING probe); answers identical to cold", tier="resp", requests=2, hits=0,
+               fallbacks=sum(1 for r in (b_second, b_third) if r["num_cached_tokens"] == 0), identical_to_cold=True,
+               max_added_latency_s=round(max(b_second["seconds"] - cold_second["seconds"],
+                                             b_third["seconds"] - cold_third["seconds"]), 3),
+               budget_s=policy.load.timeout_s, extra={"hit_before_the_kill_tokens": b_doc["num_cached_tokens"]}))
 
 
 @pytest.mark.engine
@@ -131,6 +139,13 @@ def test_a_frozen_redis_costs_at_most_the_timeout(tmp_path: Path, redis: dict[st
     assert out["results"][0]["seconds"] <= cold["results"][0]["seconds"] + 2.0 + 5.0
     print("FIGURES redis-frozen: " + ", ".join(
         f"cold {w['seconds']:.3f}s -> {g['seconds']:.3f}s" for g, w in zip(out["results"], cold["results"], strict=True)))
+    added = [g["seconds"] - w["seconds"] for g, w in zip(out["results"], cold["results"], strict=True)]
+    record(Row("store down", "Redis (resp tier) frozen (SIGSTOP: connections open, nothing answers)",
+               "the first request waits out its lookup (load timeout) and recomputes; the tier is then skipped "
+               "(a PING probe tells frozen from alive); answers identical to cold", tier="resp",
+               requests=len(added), hits=0, fallbacks=len(added), identical_to_cold=True,
+               max_added_latency_s=round(max(added), 3), budget_s=2.0,
+               extra={"added_s": [round(a, 3) for a in added]}))
 
 
 def test_tier_probes_tell_alive_frozen_and_dead_apart(redis: dict[str, Any], tmp_path: Path) -> None:
@@ -396,6 +411,12 @@ def test_vllm_replicas_on_two_nodes_share_through_mooncake_and_survive_its_maste
     print("FIGURES mooncake: doc cold {:.3f}s -> via node 2 {:.3f}s; master killed: ".format(
         cold[0]["seconds"], b[0]["seconds"]) + ", ".join(
         f"cold {w['seconds']:.3f}s -> {g['seconds']:.3f}s" for g, w in zip(b[1:], cold[1:], strict=True)))
+    added = [g["seconds"] - w["seconds"] for g, w in zip(b[1:], cold[1:], strict=True)]
+    record(Row("store down", "Mooncake master killed between requests; two MP servers as two nodes",
+               "recompute, answers identical to cold; one lookup outlives the load timeout (Mooncake's client "
+               "retries ~4 s), then the health gate skips the tier", tier="mooncake_store", requests=len(added),
+               hits=0, fallbacks=len(added), identical_to_cold=True, max_added_latency_s=round(max(added), 3),
+               budget_s=2.0, extra={"added_s": [round(a, 3) for a in added]}))
 
 
 # --- Throughput of every tier (`prefixshare bench --tiers`) ------------------------------------------------

@@ -16,16 +16,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from faults._matrix import AREAS, ROOT, Row, load, results_path  # noqa: E402
 
-COMMAND = ("rm -f build/faults/results.jsonl && .venv/bin/python -m pytest tests/faults -q && "
+COMMAND = ("rm -f build/faults/results.jsonl && .venv/bin/python -m pytest tests/faults tests/e2e/test_tiers.py -q && "
            ".venv/bin/python tests/faults/render.py > docs/reliability.md")
 
 INTRO = """# Reliability
 
 What happens to serving when the shared KV store breaks, is shared by tenants, is raced, fills up or is fed
-bad input. Every row below was recorded by a test of `tests/faults/` after its assertions passed: real vLLM
-engines (CPU, a tiny random-weight Llama), real LMCache multiprocess servers, real fs stores; no mocks. Faults
-are injected from outside the product: servers are SIGKILLed, SIGSTOPped and restarted, the store directory is
-moved away or replaced by a file, a private tmpfs fills up, hostile files are planted in the store.
+bad input. Every row below was recorded by a test of `tests/faults/` (and, for the network tiers, of
+`tests/e2e/test_tiers.py`) after its assertions passed: real vLLM engines (CPU, a tiny random-weight Llama),
+real LMCache multiprocess servers, real stores (directories, Redis, a Mooncake master); no mocks. Faults are
+injected from outside the product: servers are SIGKILLed, SIGSTOPped and restarted, the store directory is
+moved away or replaced by a file, a private tmpfs fills up, chunk files are truncated, bit-flipped or swapped
+for another model's, hostile files are planted in the store.
 
 The rules every engine row is held to:
 
@@ -39,7 +41,7 @@ The rules every engine row is held to:
 
 Before each timed request the engine's own prefix cache is cleared, so a hit can only come from the store.
 
-Reproduce (about 6 minutes on 2 CPU cores; the corruption cases are in `tests/faults/test_corruption.py`):
+Reproduce (about 15 minutes on 2 CPU cores):
 
 ```
 {command}

@@ -351,8 +351,8 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
         ]
     if not goals["P6"]["pass"]:
         out += ["**Pre-warm (P6).** Raw prefill → the same prefill with prefixshare attached (cold TTFT: a lookup "
-                "that misses, then the engine-side copy of the KV into the server through the same pickle "
-                "transport) → `warm()` (that, then waiting until every chunk is on the store's medium, and the "
+                "that misses, then the engine-side copy of the KV into the server through the same "
+                f"{results.get('transport', 'pickle')} transport) → `warm()` (that, then waiting until every chunk is on the store's medium, and the "
                 "registry entry). Replicas A and R ran one after the other, so a drifting machine load shows in "
                 "the differences too:", "",
                 "| tokens | raw prefill | with prefixshare (cold TTFT) | pre-warm | lookup + store copy | warm()'s own |",
