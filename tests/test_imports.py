@@ -67,7 +67,12 @@ def test_imports_flow_one_way() -> None:
         own = _layer(module)
         if own is None:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        lazy = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if id(node) in lazy:
+                continue
             targets = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module]
@@ -81,7 +86,8 @@ def test_imports_flow_one_way() -> None:
 
 
 # Modules that only LMCache's MP server imports (through its "plugin" L2 adapter type, by dotted path): they
-# import LMCache (and their store's client) at top level, so nothing in prefixshare may import them.
+# import LMCache (and their store's client) at top level, so no prefixshare module may import them at module
+# level (a function that already imports LMCache lazily — the benchmark driving an adapter — may).
 SERVER_ONLY = {"prefixshare.tiers._mooncake_adapter", "prefixshare.tiers._fs_adapter", "prefixshare.bench._throttle"}
 
 
@@ -95,7 +101,12 @@ def test_server_only_adapter_modules_are_never_imported_by_prefixshare() -> None
     offenders = []
     for path in root.rglob("*.py"):
         module = "prefixshare." + ".".join(path.relative_to(root).with_suffix("").parts)
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        lazy = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if id(node) in lazy:
+                continue
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
