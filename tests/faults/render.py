@@ -101,10 +101,10 @@ Faults we could not make safe, or bounds we could only measure:
 * **Sharing a document with chosen tenants is not supported.** A document is either untenanted (read by
   untenanted requests only) or a tenant's. There is no per-document allow list; a tenant that needs a shared
   document warms its own copy (the store then holds it once per tenant).
-* **LoRA isolation is by adapter name.** Per request, vLLM's LoRA name salts the keys; the adapter's weights
-  are not part of the salt. Two replicas that serve *different* adapters under the *same name* on one store
-  would share KV. The fingerprint can carry adapter digests (`EngineSettings.lora`), but the vLLM adapter does
-  not fill it in yet. Name adapters uniquely (e.g. with a version).
+* **LoRA adapters must be local paths to be told apart by their weights.** A LoRA request's keys are salted by
+  the adapter's name and a digest of its files (hashed once per adapter and process); an adapter whose path
+  the scheduler cannot read (a remote URI) falls back to its name alone, with a `lora.unhashed` warning. Name
+  such adapters uniquely (e.g. with a version).
 * **An L2 tier that is down when the server starts fails the start.** `LMCacheServer.start` (and
   `prefixshare server start`) probe every L2 tier and refuse to start over an unreachable one, naming it: a
   misconfigured address is loud. A tier that goes down later only costs misses. With a `launcher` (the server

@@ -62,17 +62,40 @@ def test_other_engine_settings_get_another_namespace_and_are_named(
                extra={"differences": [d.message for d in report[0][1]][:3]}))
 
 
-def test_lora_requests_are_salted_by_adapter_name() -> None:
-    """Per request, vLLM's LoRA name salts the keys (a base-model request never reads an adapter's KV)."""
+def test_lora_requests_are_salted_by_adapter_name_and_weights(tmp_path: Path) -> None:
+    """Per request, vLLM's LoRA adapter salts the keys: by its name AND a digest of its files, so a base-model
+    request never reads an adapter's KV, and two replicas serving different adapters under one name share none."""
+    from types import SimpleNamespace
+
+    from prefixshare._log import get_logger
     from prefixshare.adapters._runtime import ConnectorRuntime, RequestInfo
 
+    adapters = {}
+    for tag, weights in (("v1", b"A" * 64), ("v2", b"B" * 64), ("v1-copy", b"A" * 64)):
+        path = tmp_path / tag
+        path.mkdir()
+        (path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+        (path / "adapter_model.safetensors").write_bytes(weights)
+        adapters[tag] = str(path)
+    replica = SimpleNamespace(_lora_ids={}, log=get_logger("test"))
     info = RequestInfo("r", 64)
-    salts = {name: ConnectorRuntime.salt(None, info, None, name) for name in (None, "support", "billing")}  # type: ignore[arg-type]
-    assert len(set(salts.values())) == 3 and salts[None] is None
-    record(Row("compatibility", "requests for different LoRA adapters (and the base model) on one engine",
-               "each adapter name salts the keys: no request reads another adapter's (or the base model's) KV; "
-               "the salt is the adapter NAME, see known limits", engine="none", requests=3, hits=0,
-               extra={"salts": {str(k): v for k, v in salts.items()}}))
+
+    def salt(name: str | None, path: str | None) -> str | None:
+        lora = ConnectorRuntime.lora_id(replica, name, path)  # type: ignore[arg-type]
+        return ConnectorRuntime.salt(None, info, None, lora)  # type: ignore[arg-type]
+
+    salts = {"base": salt(None, None), "support@v1": salt("support", adapters["v1"]),
+             "support@v2": salt("support", adapters["v2"]), "support@v1-copy": salt("support", adapters["v1-copy"]),
+             "billing@v1": salt("billing", adapters["v1"])}
+    assert salts["base"] is None
+    assert salts["support@v1"] != salts["support@v2"]  # same name, other weights: other keys
+    assert salts["support@v1"] == salts["support@v1-copy"]  # the same adapter files elsewhere: shared
+    assert salts["support@v1"] != salts["billing@v1"]
+    record(Row("compatibility", "LoRA requests: the base model, two adapters under one name with other weights, "
+               "and a copy of one adapter at another path",
+               "each adapter salts the keys by name and a digest of its files: no request reads the base model's "
+               "or another adapter's KV; the same adapter files share", engine="none", requests=5, hits=0,
+               extra={"salts": salts}))
 
 
 @pytest.mark.server

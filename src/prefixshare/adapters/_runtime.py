@@ -244,6 +244,7 @@ class ConnectorRuntime:
         shape = shape_from_config(Path(model_dir) / "config.json" if Path(model_dir).is_dir() else model_dir)
         self.kv_bytes_per_token = kv_bytes_per_token(shape, self.fingerprint.engine.kv_dtype)
         self.stats = Stats()
+        self._lora_ids: dict[tuple[str, str | None], str] = {}
         self.requests: dict[str, RequestInfo] = {}
         #: cost-aware loading (scheduler side): estimates, decisions and their outcomes (see adapters._cost)
         self.cost = CostModel(self.namespace, store=store_key(self.policy), kv_bytes_per_token=self.kv_bytes_per_token,
@@ -372,6 +373,31 @@ class ConnectorRuntime:
                 self.stats.refused[reason] += 1
         _metrics.admission(self.engine, decision.admit, reason)
         return info
+
+    def lora_id(self, name: str | None, path: str | None) -> str | None:
+        """What salts a LoRA request's keys: the adapter's name AND a digest of its files (config and weights),
+        so two replicas serving different adapters under one name never share KV. Hashed once per adapter and
+        process (file digests are cached by path, size and mtime); a path that cannot be read falls back to
+        the name alone, with a warning."""
+        if name is None:
+            return None
+        key = (name, path)
+        cached = self._lora_ids.get(key)
+        if cached is not None:
+            return cached
+        lora_id = name
+        if path:
+            from prefixshare.fingerprint import DigestCache
+            from prefixshare.fingerprint._compute import _lora_info
+
+            try:
+                with DigestCache() as cache:
+                    lora_id = f"{name}\0{_lora_info(name, path, cache).digest}"
+            except Exception as exc:  # noqa: BLE001 - a remote or missing adapter path: the name still separates
+                self.log.warning("lora.unhashed", lora=name, path=path, reason=str(exc),
+                                 effect="keys salted by the adapter name only")
+        self._lora_ids[key] = lora_id
+        return lora_id
 
     def salt(self, info: RequestInfo, request_salt: str | None, lora_name: str | None = None) -> str | None:
         parts = [tenant_salt(info.tenant)] if info.tenant else []

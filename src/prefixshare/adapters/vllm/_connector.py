@@ -98,13 +98,14 @@ class PrefixShareConnector(LMCacheMPConnector):
     def _get_or_create_request_tracker(self, request: Request) -> Any:
         fresh = request.request_id not in self.request_trackers
         tracker = super()._get_or_create_request_tracker(request)
+        lora = getattr(request, "lora_request", None)
+        lora_id = self.prefixshare.lora_id(getattr(lora, "lora_name", None), getattr(lora, "lora_path", None)
+                                           ) if lora is not None else None
         if fresh or request.request_id not in self.prefixshare.requests:
-            lora = getattr(request, "lora_request", None)
-            lora_name = getattr(lora, "lora_name", None) if lora is not None else None
             info = self.prefixshare.begin(
                 request.request_id, request.prompt_token_ids or [], getattr(request, "kv_transfer_params", None)
             )
-            tracker.cache_salt = self.prefixshare.salt(info, tracker.cache_salt, lora_name) or ""
+            tracker.cache_salt = self.prefixshare.salt(info, tracker.cache_salt, lora_id) or ""
             if not info.admitted:
                 tracker.max_offload_tokens = 0
             elif info.store_limit is not None:
@@ -113,7 +114,7 @@ class PrefixShareConnector(LMCacheMPConnector):
         elif fresh:
             # a preempted request's tracker is rebuilt: keep the decision and salt taken at admission
             info = self.prefixshare.requests[request.request_id]
-            tracker.cache_salt = self.prefixshare.salt(info, tracker.cache_salt) or ""
+            tracker.cache_salt = self.prefixshare.salt(info, tracker.cache_salt, lora_id) or ""
             if not info.admitted:
                 tracker.max_offload_tokens = 0
         return tracker
