@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import TESTS, free_port
+from prefixshare.bench._procs import parse_events
 from prefixshare.policy import Policy
 
 CHUNK = 64
@@ -38,19 +39,6 @@ def run_replica(tmp: Path, name: str, model: Path, policy: Policy | None, reques
     (tmp / f"{name}.result.json").write_text(json.dumps(result, indent=1))
     result["events"] = parse_events(proc.stderr + proc.stdout)
     return result
-
-
-def parse_events(text: str) -> list[dict[str, Any]]:
-    """The structured (JSON) log lines of a replica's output, in order."""
-    events = []
-    for ln in text.splitlines():
-        start = ln.find("{")
-        if start >= 0 and '"event"' in ln:
-            try:
-                events.append(json.loads(ln[start:]))
-            except ValueError:
-                pass
-    return events
 
 
 def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:

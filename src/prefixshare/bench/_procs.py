@@ -52,14 +52,19 @@ def run_replica(workdir: Path, name: str, spec: dict[str, Any], *, timeout_s: fl
     if line is None:
         raise ReplicaError(f"replica {name} failed (exit code {proc.returncode}); stderr ends:\n{proc.stderr[-4000:]}")
     result = json.loads(line[len("RESULT "):])
+    result["events"] = parse_events(proc.stderr)
+    result["wall_s"] = wall
+    return result
+
+
+def parse_events(text: str) -> list[dict[str, Any]]:
+    """The structured (JSON) log lines in a process's output, in order; other lines are skipped."""
     events = []
-    for ln in proc.stderr.splitlines():
+    for ln in text.splitlines():
         start = ln.find("{")
         if start >= 0 and '"event"' in ln:
             try:
                 events.append(json.loads(ln[start:]))
             except ValueError:
                 pass
-    result["events"] = events
-    result["wall_s"] = wall
-    return result
+    return events

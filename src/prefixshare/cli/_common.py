@@ -27,6 +27,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
 
 
+def human_size(n: float) -> str:
+    """Bytes for people: ``512 B``, ``1.5 MiB``, ``2.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
 def emit_json(obj: Any) -> None:
     """Write one JSON document to stdout (no rich markup, no wrapping)."""
     sys.stdout.write(_json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")

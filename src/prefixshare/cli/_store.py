@@ -9,19 +9,12 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from prefixshare.cli._common import EXIT_BAD_INPUT, JSON_OPTION, emit_json, err, fail, handles_errors, out
+from prefixshare.cli._common import (EXIT_BAD_INPUT, JSON_OPTION, emit_json, err, fail, handles_errors, human_size,
+                                     out)
 
 POLICY_OPTION = typer.Option(..., "--policy", "-p", help="Policy YAML file (its directory tier is the store).")
 #: ``50G``-style sizes (coreutils: powers of 1024), on top of the policy syntax (50GB, 50GiB)
 _SHORT_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP])\s*$", re.IGNORECASE)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _age(seconds: float | None) -> str:
@@ -125,7 +118,7 @@ def register(app: typer.Typer) -> None:
 def _print_inspect(data: dict[str, Any]) -> None:
     t = data["totals"]
     out.print(f"store [bold]{escape(str(data['store']))}[/]: {t['namespaces']} namespaces, {t['chunk_files']:,} chunk "
-              f"files, {_size(t['bytes'])}, {t['documents']} documents")
+              f"files, {human_size(t['bytes'])}, {t['documents']} documents")
     for ns in data["namespaces"]:
         out.print()
         m = ns["manifest"]
@@ -141,18 +134,18 @@ def _print_inspect(data: dict[str, Any]) -> None:
             out.print(f"{head}  no manifest{note}")
         age = ns["age_s"] or {}
         salts = ", ".join(f"{escape(k)} {v}" for k, v in ns["salts"].items())
-        out.print(f"  chunks    {ns['chunk_files']:,} files, {_size(ns['bytes'])}, newest {_age(age.get('newest'))} "
+        out.print(f"  chunks    {ns['chunk_files']:,} files, {human_size(ns['bytes'])}, newest {_age(age.get('newest'))} "
                   f"ago, oldest {_age(age.get('oldest'))} ago" + (f"; salts: {salts}" if salts else ""))
         hits = ns["hits"]
         if hits:
             out.print(f"  hits      {hits['hits']} of {hits['requests']} requests, {hits['tokens_loaded']:,} tokens "
-                      f"({_size(hits['bytes_loaded'])}) loaded by {hits['engines']} engine(s) on this node")
+                      f"({human_size(hits['bytes_loaded'])}) loaded by {hits['engines']} engine(s) on this node")
         docs = ns["documents"]
         if docs:
             out.print(f"  documents ({len(docs)}):")
             for d in docs:
                 state = "" if d["complete"] else f"  [red]INCOMPLETE: {d['missing_chunks']} chunks missing[/]"
-                out.print(f"    {escape(d['id'])}  {d['tokens']:,} tokens, {d['chunks']} chunks, {_size(d['bytes'])}, "
+                out.print(f"    {escape(d['id'])}  {d['tokens']:,} tokens, {d['chunks']} chunks, {human_size(d['bytes'])}, "
                           f"warmed {d['warmed_at'][:19]} on {escape(d['host'])}{state}")
     for bad in data["corrupt_manifests"]:
         err.print(f"[yellow]corrupt manifest[/] {escape(bad['url'])}: {escape(bad['reason'])}")
@@ -167,8 +160,8 @@ def _print_plan(plan: Any, *, dry_run: bool) -> None:
     counts = plan.counts()
     for d in plan.deletions:
         what = f"{d.kind:8} {d.reason:22}"
-        size = f" {_size(d.bytes)}" if d.bytes else ""
+        size = f" {human_size(d.bytes)}" if d.bytes else ""
         out.print(f"{verb} {what} {escape(d.path)}{size}")
-    out.print(f"{verb}: {counts.get('chunk', 0)} chunk files ({_size(plan.bytes_freed)}), "
+    out.print(f"{verb}: {counts.get('chunk', 0)} chunk files ({human_size(plan.bytes_freed)}), "
               f"{counts.get('tmp', 0)} temporary files, {counts.get('record', 0)} registry records, "
-              f"{counts.get('manifest', 0)} manifests; store {_size(plan.bytes_before)} -> {_size(plan.bytes_after)}")
+              f"{counts.get('manifest', 0)} manifests; store {human_size(plan.bytes_before)} -> {human_size(plan.bytes_after)}")

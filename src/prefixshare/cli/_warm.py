@@ -22,16 +22,9 @@ from prefixshare.cli._common import (
     err,
     fail,
     handles_errors,
+    human_size,
     out,
 )
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 @contextlib.contextmanager
@@ -243,7 +236,7 @@ def _progress(enabled: bool) -> tuple[Any, Any]:
                                      "done": "done"}.get(p.phase, p.phase),
                         docs=f"{p.documents_done}/{p.documents_total}",
                         tokens=f"{p.tokens_done:,}/{p.tokens_total:,}",
-                        size=f"{_size(p.bytes_done)}/{_size(p.bytes_total)}")
+                        size=f"{human_size(p.bytes_done)}/{human_size(p.bytes_total)}")
 
     @contextlib.contextmanager
     def running() -> Iterator[None]:
@@ -269,10 +262,10 @@ def _print_report(report: Any) -> None:
         table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for d in report.documents:
         style = _STYLE.get(d.status, "")
-        table.add_row(escape(d.id), f"[{style}]{d.status}[/]", f"{d.tokens:,}", str(d.chunks), _size(d.bytes),
+        table.add_row(escape(d.id), f"[{style}]{d.status}[/]", f"{d.tokens:,}", str(d.chunks), human_size(d.bytes),
                       f"{d.seconds:.2f}" if d.seconds is not None else "-", escape(d.reason))
     out.print(table)
     t = report.totals()
     out.print(f"{t['warmed']} warmed, {t['skipped']} already warm, {t['too_short']} too short, "
-              f"{t['failed']} not warmed; {t['warmed_tokens']:,} tokens ({_size(t['warmed_bytes'])}) written "
+              f"{t['failed']} not warmed; {t['warmed_tokens']:,} tokens ({human_size(t['warmed_bytes'])}) written "
               f"in {report.seconds:.1f} s")
