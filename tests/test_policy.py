@@ -97,7 +97,7 @@ def test_full_argv_with_every_parseable_tier(tmp_path: Path) -> None:
 
 def test_every_preset_loads_and_renders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert {"single-node", "shared-nfs", "mooncake", "valkey"} <= set(list_presets())
+    assert {"single-node", "shared-nfs", "mooncake", "valkey", "redis", "s3"} <= set(list_presets())
     for name in list_presets():
         overrides = {}
         if name == "shared-nfs":  # its mount does not exist on a build machine
