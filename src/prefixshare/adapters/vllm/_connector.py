@@ -98,25 +98,25 @@ class PrefixShareConnector(LMCacheMPConnector):
     def _get_or_create_request_tracker(self, request: Request) -> Any:
         fresh = request.request_id not in self.request_trackers
         tracker = super()._get_or_create_request_tracker(request)
+        new = request.request_id not in self.prefixshare.requests
+        if not (fresh or new):
+            return tracker  # called on every scheduler step: a known request's tracker is already set up
         lora = getattr(request, "lora_request", None)
         lora_id = self.prefixshare.lora_id(getattr(lora, "lora_name", None), getattr(lora, "lora_path", None)
                                            ) if lora is not None else None
-        if fresh or request.request_id not in self.prefixshare.requests:
+        if new:
             info = self.prefixshare.begin(
                 request.request_id, request.prompt_token_ids or [], getattr(request, "kv_transfer_params", None)
             )
-            tracker.cache_salt = self.prefixshare.salt(info, tracker.cache_salt, lora_id) or ""
-            if not info.admitted:
-                tracker.max_offload_tokens = 0
-            elif info.store_limit is not None:
-                current = tracker.max_offload_tokens
-                tracker.max_offload_tokens = info.store_limit if current is None else min(current, info.store_limit)
-        elif fresh:
+        else:
             # a preempted request's tracker is rebuilt: keep the decision and salt taken at admission
             info = self.prefixshare.requests[request.request_id]
-            tracker.cache_salt = self.prefixshare.salt(info, tracker.cache_salt, lora_id) or ""
-            if not info.admitted:
-                tracker.max_offload_tokens = 0
+        tracker.cache_salt = self.prefixshare.salt(info, tracker.cache_salt, lora_id) or ""
+        if not info.admitted:
+            tracker.max_offload_tokens = 0
+        elif new and info.store_limit is not None:
+            current = tracker.max_offload_tokens
+            tracker.max_offload_tokens = info.store_limit if current is None else min(current, info.store_limit)
         return tracker
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
