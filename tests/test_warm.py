@@ -411,6 +411,25 @@ def test_tenant_documents_are_stored_under_the_tenant_salt(setup: Any) -> None:
     assert "cache_salt" not in prompt_for(ps, doc, "Q?", engine=eng).engine_input()
 
 
+def test_sglang_prompts_carry_the_document_prefix_and_tenant_salt_in_sglangs_fields(setup: Any) -> None:
+    """SGLang passes only the request id and cache salt to its scheduler: prompt_for's SGLang form puts the
+    document id and prefix length in the id, and the store salt (tenant + request salt, as the vLLM connector
+    computes it) in cache_salt."""
+    from prefixshare.adapters.sglang import parse_rid
+
+    ps, eng, _ = setup
+    doc = ("manual-s", _docs()["guide"])
+    prompt = prompt_for(ps, doc, "Q?", engine=eng, tenant="acme")
+    kw = prompt.sglang_kwargs()
+    assert kw["input_ids"] == prompt.token_ids and kw["cache_salt"] == "t-acme" == expected_salt("acme")
+    assert parse_rid(kw["rid"]) == {"prefixshare.document_id": "manual-s", "prefixshare.tenant": "acme",
+                                    "prefixshare.prefix_tokens": prompt.prefix_tokens}
+    assert kw["rid"] != prompt.sglang_kwargs()["rid"]  # SGLang request ids must be unique
+    salted = prompt_for(ps, doc, "Q?", engine=eng, tenant="acme", cache_salt="s1").sglang_kwargs()
+    assert salted["cache_salt"] == expected_salt("acme", "s1") == "t-acme-s1"
+    assert "cache_salt" not in prompt_for(ps, doc, "Q?", engine=eng).sglang_kwargs()
+
+
 def test_prompt_for_a_registered_document_rereads_its_file(setup: Any, tmp_path: Path) -> None:
     ps, eng, _ = setup
     doc = tmp_path / "manual-file.md"
@@ -462,7 +481,7 @@ def test_warm_cli_refuses_bad_input_before_starting_an_engine(cli: Any, tmp_path
     cases = [
         (["/no/such/file.md", "--policy", str(policy), "--model", str(tiny)], "not a file, folder or glob"),
         ([str(doc), "--policy", str(policy), "--model", str(tmp_path / "nope")], "no such directory"),
-        ([str(doc), "--policy", str(policy), "--model", str(tiny), "--engine", "sglang"], "only vllm"),
+        ([str(doc), "--policy", str(policy), "--model", str(tiny), "--engine", "tgi"], "use vllm or sglang"),
         ([str(doc), "--policy", str(policy), "--model", str(tiny), "--block-size", "48"], "does not divide"),
         ([str(doc), "--policy", str(policy), "--model", str(tiny), "--template", "no placeholder"], "{document}"),
         ([str(doc), "--policy", str(tmp_path / "missing.yaml"), "--model", str(tiny)], "does not exist"),

@@ -21,15 +21,15 @@ def _module_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     patch.undo()
 
 
-def run_example(name: str, *args: str) -> str:
+def run_example(name: str, *args: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args, "--quick"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+                          timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})})
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
 
 def test_every_example_is_tested() -> None:
-    tested = {"attach_vllm.py", "prewarm_folder.py", "two_replicas.py", "vllm_serve.py"}
+    tested = {"attach_vllm.py", "attach_sglang.py", "prewarm_folder.py", "two_replicas.py", "vllm_serve.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -43,6 +43,18 @@ def test_vllm_serve_prints_the_command() -> None:
 def test_attach_in_application_code() -> None:
     out = run_example("attach_vllm.py")
     assert "request 2:" in out and "stored" in out
+
+
+@pytest.mark.engine
+@pytest.mark.server
+def test_attach_sglang_in_application_code() -> None:
+    # SGLang's CPU engine needs sgl_kernel: the test-only stand-in (tests/shims) plays it here
+    shims = str(Path(__file__).resolve().parents[1] / "shims")
+    out = run_example("attach_sglang.py", env={"PYTHONPATH": os.pathsep.join(filter(None, [shims, os.environ.get("PYTHONPATH")]))})
+    assert "warm: 1 warmed" in out and "stored" in out
+    # each question's prompt starts with the warmed manual: its whole stored prefix is cached
+    cached = [int(line.split("prompt tokens,")[1].split("cached")[0]) for line in out.splitlines() if "cached" in line]
+    assert len(cached) == 2 and all(c >= 256 for c in cached), out
 
 
 @pytest.mark.engine

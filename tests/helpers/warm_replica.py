@@ -1,8 +1,9 @@
-"""Test-only: a fresh vLLM replica that re-warms documents, tries an over-long one, and asks questions whose
+"""Test-only: a fresh vLLM (or SGLang) replica that re-warms documents, tries an over-long one, and asks questions whose
 prompts start with each warmed document. Prints one ``RESULT {json}`` line.
 
-Spec: {"model": DIR, "policy_file": PATH, "instance": STR, "engine": {LLM kwargs}, "system": STR,
-       "docs": [PATH...], "long_doc": TEXT, "questions": [STR...], "max_tokens": N}
+Spec: {"model": DIR, "policy_file": PATH, "instance": STR, "engine_type": "vllm"|"sglang",
+       "engine": {engine kwargs}, "system": STR,
+       "docs": [PATH...], "long_doc": TEXT, "questions": [STR...], "max_tokens": N, "foreign_tenant": STR?}
 """
 
 from __future__ import annotations
@@ -22,15 +23,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    import vllm
+    kind = spec.get("engine_type", "vllm")
+    if kind == "sglang":
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
     from prefixshare import PrefixShare
     from prefixshare.warm import DocumentTooLongError, Template, prompt_for, warm
 
-    engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
-              "block_size": 32, "max_model_len": 2048, "seed": 0, **spec.get("engine", {})}
+    if kind == "sglang":  # the settings tests/helpers/sglang_replica.py runs SGLang's CPU engine with
+        engine = {"model_path": spec["model"], "device": "cpu", "attention_backend": "torch_native",
+                  "disable_cuda_graph": True, "page_size": 16, "dtype": "float32", "mem_fraction_static": 0.3,
+                  "max_total_tokens": 16384, "context_length": 2048, "log_level": "warning", "random_seed": 0,
+                  **spec.get("engine", {})}
+    else:
+        engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True,
+                  "distributed_executor_backend": "uni", "block_size": 32, "max_model_len": 2048, "seed": 0,
+                  **spec.get("engine", {})}
     ps = PrefixShare(spec["policy_file"], server=False, instance=spec["instance"])
-    llm = ps.attach(engine)
+    llm = ps.attach(engine, engine_type=kind)
     template = Template.chat(system=spec["system"])
     result: dict = {}
 
@@ -48,17 +58,39 @@ def main() -> None:
     for doc in spec["docs"]:
         for question in spec["questions"]:
             prompt = prompt_for(ps, doc, question, prefix=template)
-            params = vllm.SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 6), ignore_eos=True,
-                                         extra_args={"kv_transfer_params": prompt.kv_transfer_params})
-            out = llm.generate([prompt.engine_input()], params, use_tqdm=False)[0]
-            answers.append({"doc": doc, "question": question, "prompt": prompt.token_ids,
-                            "prefix_tokens": prompt.prefix_tokens, "cached": int(out.num_cached_tokens or 0),
-                            "token_ids": list(out.outputs[0].token_ids)})
+            answer = {"doc": doc, "question": question, "prompt": prompt.token_ids,
+                      "prefix_tokens": prompt.prefix_tokens}
+            answer.update(_sglang(llm, prompt, spec) if kind == "sglang" else _vllm(llm, prompt, spec))
+            answers.append(answer)
     result["answers"] = answers
+    if spec.get("foreign_tenant"):  # negative control: the first question under another tenant loads nothing
+        prompt = prompt_for(ps, spec["docs"][0], spec["questions"][0], prefix=template, tenant=spec["foreign_tenant"])
+        result["foreign"] = _sglang(llm, prompt, spec) if kind == "sglang" else _vllm(llm, prompt, spec)
     result["stats"] = ps.stats()
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
+    if kind == "sglang":
+        llm.shutdown()
     os._exit(0)
+
+
+def _vllm(llm, prompt, spec: dict) -> dict:  # noqa: ANN001
+    import vllm
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 6), ignore_eos=True,
+                                 extra_args={"kv_transfer_params": prompt.kv_transfer_params})
+    out = llm.generate([prompt.engine_input()], params, use_tqdm=False)[0]
+    return {"cached": int(out.num_cached_tokens or 0), "token_ids": list(out.outputs[0].token_ids)}
+
+
+def _sglang(engine, prompt, spec: dict) -> dict:  # noqa: ANN001
+    out = engine.generate(**prompt.sglang_kwargs(), return_logprob=True,
+                          sampling_params={"temperature": 0.0, "max_new_tokens": spec.get("max_tokens", 6),
+                                           "ignore_eos": True})
+    meta = out["meta_info"]
+    details = meta.get("cached_tokens_details") or {}
+    return {"cached": int(meta.get("cached_tokens") or 0), "storage_tokens": int(details.get("storage") or 0),
+            "token_ids": list(out["output_ids"]), "logprobs": [x[0] for x in meta["output_token_logprobs"]]}
 
 
 if __name__ == "__main__":

@@ -66,6 +66,26 @@ def tenant_salt(tenant: str) -> str:
     return f"t-{tenant}" if _SAFE.match(tenant) else "t-" + blake3.blake3(tenant.encode()).hexdigest()[:24]
 
 
+def store_salt(tenant: str | None, request_salt: str | None, lora_name: str | None = None) -> str | None:
+    """The cache salt a request's store keys carry: its tenant's, its LoRA adapter's and its own salt, joined.
+
+    The engine's own salt set to the tenant's (what ``prompt_for`` does, to split the engine's prefix cache by
+    tenant too) is not a second component: the store key is the same with or without it. Salts may not hold
+    '@' or '/' (they are part of file names), so a long or unsafe one becomes a digest.
+    """
+    parts = [tenant_salt(tenant)] if tenant else []
+    if lora_name:
+        parts.append("lora-" + blake3.blake3(lora_name.encode()).hexdigest()[:12])
+    if request_salt and not (parts and request_salt == parts[0] and tenant):
+        parts.append(request_salt)
+    if not parts:
+        return request_salt
+    salt = "-".join(parts)
+    return salt if len(salt) <= 128 and "@" not in salt and "/" not in salt else (
+        "s-" + blake3.blake3(salt.encode()).hexdigest()[:40]
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def _u32_packer(n: int) -> Any:
     return struct.Struct(f"<{n}I").pack
@@ -400,19 +420,7 @@ class ConnectorRuntime:
         return lora_id
 
     def salt(self, info: RequestInfo, request_salt: str | None, lora_name: str | None = None) -> str | None:
-        parts = [tenant_salt(info.tenant)] if info.tenant else []
-        if lora_name:
-            parts.append("lora-" + blake3.blake3(lora_name.encode()).hexdigest()[:12])
-        # the engine's own salt set to the tenant's (what prompt_for does, to split the engine's prefix cache by
-        # tenant too) is not a second component: the store key is the same with or without it
-        if request_salt and not (parts and request_salt == parts[0] and info.tenant):
-            parts.append(request_salt)
-        if not parts:
-            return request_salt
-        salt = "-".join(parts)
-        return salt if len(salt) <= 128 and "@" not in salt and "/" not in salt else (
-            "s-" + blake3.blake3(salt.encode()).hexdigest()[:40]
-        )
+        return store_salt(info.tenant, request_salt, lora_name)
 
     def lookup_done(self, info: RequestInfo, hit_tokens: int, seconds: float | None) -> None:
         with self._lock:

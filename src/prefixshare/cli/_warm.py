@@ -102,7 +102,8 @@ def register(app: typer.Typer) -> None:
         paths: list[str] = typer.Argument(..., help="Files, folders or glob patterns of text documents."),
         policy: Path = typer.Option(..., "--policy", "-p", help="Policy YAML file."),
         model: str = typer.Option(..., "--model", "-m", help="Model directory (as your replicas load it)."),
-        engine: str = typer.Option("vllm", "--engine", help="Engine to prefill with: vllm (sglang: not yet)."),
+        engine: str = typer.Option("vllm", "--engine", help="Engine to prefill with: vllm or sglang (the one your "
+                                   "replicas run: each engine's KV is stored under its own fingerprint)."),
         force: bool = typer.Option(False, "--force", help="Prefill even documents already in the store."),
         template: str | None = typer.Option(
             None, "--template", help="Text around each document in your prompts, with {document} once "
@@ -117,12 +118,13 @@ def register(app: typer.Typer) -> None:
                                    "'ID#N' (default: refuse them)."),
         dtype: str | None = typer.Option(None, "--dtype", help="Model/KV dtype; must match your replicas "
                                          "(default: float32 on CPU hosts, auto elsewhere)."),
-        block_size: int | None = typer.Option(None, "--block-size", help="Engine KV block size; must match your "
-                                              "replicas (default: largest of 128/64/32/16 dividing chunk_size)."),
+        block_size: int | None = typer.Option(None, "--block-size", help="Engine KV block size (SGLang: page "
+                                              "size); must match your replicas (default vLLM: largest of "
+                                              "128/64/32/16 dividing chunk_size; SGLang: 16 on CPU, its own on GPU)."),
         max_model_len: int | None = typer.Option(None, "--max-model-len", help="Engine context length "
                                                  "(default: the model's)."),
-        engine_arg: list[str] = typer.Option([], "--engine-arg", help="Extra vllm.LLM argument KEY=VALUE "
-                                             "(JSON values); repeatable."),
+        engine_arg: list[str] = typer.Option([], "--engine-arg", help="Extra vllm.LLM (or sglang.Engine) argument "
+                                             "KEY=VALUE (JSON values); repeatable."),
         batch_tokens: int = typer.Option(16384, "--batch-tokens", min=1, help="Tokens per engine call."),
         verify_timeout: float = typer.Option(30.0, "--verify-timeout", help="Seconds to wait for every chunk "
                                              "to reach the store."),
@@ -135,8 +137,8 @@ def register(app: typer.Typer) -> None:
         """
         from prefixshare.policy import Policy
 
-        if engine != "vllm":
-            raise fail(f"--engine {engine}: only vllm can warm for now (SGLang support is planned)", EXIT_BAD_INPUT)
+        if engine not in ("vllm", "sglang"):
+            raise fail(f"--engine {engine}: unknown engine; use vllm or sglang", EXIT_BAD_INPUT)
         loaded = Policy.from_yaml(str(policy))
         if not Path(model).expanduser().exists():
             raise fail(f"--model {model}: no such directory", EXIT_BAD_INPUT)
@@ -154,7 +156,8 @@ def register(app: typer.Typer) -> None:
         from prefixshare.warm import resolve_documents
 
         docs = resolve_documents(paths)  # bad paths fail here, before an engine starts
-        report = _run(loaded, str(policy), str(Path(model).expanduser().resolve()), docs, tpl, force=force,
+        report = _run(loaded, str(policy), str(Path(model).expanduser().resolve()), docs, tpl, engine=engine,
+                      force=force,
                       tenant=tenant, split=split, batch_tokens=batch_tokens, verify_timeout=verify_timeout,
                       engine_kwargs={"dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
                                      "extra": _engine_args(engine_arg)},
@@ -167,26 +170,30 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_CHECK_FAILED)
 
 
-def _run(policy: Any, policy_file: str, model: str, docs: Any, template: Any, *, force: bool, tenant: str | None,
-         split: bool, batch_tokens: int, verify_timeout: float, engine_kwargs: dict[str, Any], quiet_stdout: bool,
-         show_progress: bool) -> Any:
-    from prefixshare.warm._settings import apply_engine_env, vllm_engine_kwargs
+def _run(policy: Any, policy_file: str, model: str, docs: Any, template: Any, *, engine: str, force: bool,
+         tenant: str | None, split: bool, batch_tokens: int, verify_timeout: float, engine_kwargs: dict[str, Any],
+         quiet_stdout: bool, show_progress: bool) -> Any:
+    from prefixshare.warm._settings import apply_engine_env, sglang_engine_kwargs, vllm_engine_kwargs
 
-    apply_engine_env()
+    apply_engine_env(engine=engine)
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch/vLLM deprecation chatter
     from prefixshare import PrefixShare
     from prefixshare.warm import warm
 
-    kwargs = vllm_engine_kwargs(policy, model, **engine_kwargs)
+    if engine == "sglang":
+        kwargs = sglang_engine_kwargs(policy, model, **engine_kwargs)
+        name, block = "an SGLang", kwargs.get("page_size", "default")
+    else:
+        kwargs = vllm_engine_kwargs(policy, model, **engine_kwargs)
+        name, block = "a vLLM", kwargs["block_size"]
     progress_cm, callback = _progress(show_progress)
     with stdout_to_stderr(quiet_stdout), PrefixShare(policy_file) as ps:
         if show_progress:
-            err.print(f"starting a vLLM engine for {escape(model)} (dtype {kwargs['dtype']}, "
-                      f"block {kwargs['block_size']})...")
-        with runtime_errors("the vLLM engine did not start"):
-            llm = ps.attach(kwargs)
+            err.print(f"starting {name} engine for {escape(model)} (dtype {kwargs['dtype']}, block {block})...")
+        with runtime_errors(f"the {name.split()[-1]} engine did not start"):
+            llm = ps.attach(kwargs, engine_type=engine)
         try:
             with progress_cm, runtime_errors("warming failed"):
                 report = warm(ps, docs, llm, prefix=template, force=force, tenant=tenant, split=split,
@@ -199,11 +206,12 @@ def _run(policy: Any, policy_file: str, model: str, docs: Any, template: Any, *,
 
 def _shutdown(llm: Any) -> None:
     """Stop the engine (its connector unregisters) while the server still runs; vLLM 0.32's LLMEngine has no
-    shutdown() of its own, its engine-core client has."""
+    shutdown() of its own, its engine-core client has; a sglang.Engine has one."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    shutdown = getattr(core if core is not None else llm, "shutdown", None)
     with contextlib.suppress(Exception):
-        if core is not None:
-            core.shutdown()
+        if callable(shutdown):
+            shutdown()
 
 
 def _progress(enabled: bool) -> tuple[Any, Any]:

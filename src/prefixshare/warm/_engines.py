@@ -101,19 +101,11 @@ class VllmEngine:
                 update={"chunk_size": policy.chunk_size, "tenant": policy.tenant})
             self._fp = compute_fingerprint(model_dir, settings, weights=policy.fingerprint.weights,
                                            revision=policy.fingerprint.revision, tokenizer_dir=tok_dir)
-            published = self.ps.stats().get("fingerprint")
-            if published and published != self._fp.digest:
-                get_logger(__name__).warning(
-                    "warm.fingerprint_mismatch", computed=self._fp.short, connector=str(published)[:12],
-                    message="the connector published another fingerprint than warm computed; verification "
-                            "may report missing chunks")
+            _check_published(self.ps, self._fp)
         return self._fp
 
     def kv_bytes_per_token(self) -> int:
-        from prefixshare.plan import kv_bytes_per_token, shape_from_config
-
-        config = Path(self.model_dir()) / "config.json"
-        return kv_bytes_per_token(shape_from_config(config), self.fingerprint().engine.kv_dtype)
+        return _kv_bytes_per_token(self.model_dir(), self.fingerprint())
 
     def prefill(self, requests: list[PrefillRequest]) -> list[PrefillResult]:
         import vllm
@@ -156,6 +148,107 @@ def reset_vllm_prefix_cache(llm: Any, timeout_s: float = 10.0) -> bool:
         time.sleep(0.01)
 
 
+class SglangEngine:
+    """A running ``sglang.Engine`` with prefixshare's radix-cache backend.
+
+    Per-request settings travel as SGLang carries them (see :mod:`prefixshare.adapters.sglang`): the document id
+    and prefix length in the request id, the tenant (and any request salt) as the request's ``cache_salt``.
+    """
+
+    kind = "sglang"
+
+    def __init__(self, ps: PrefixShare, engine: Any) -> None:
+        from prefixshare.adapters.sglang import BACKEND
+
+        args = getattr(engine, "server_args", None)
+        if args is None or getattr(args, "radix_cache_backend", None) != BACKEND or not getattr(args, "enable_lmcache", False):
+            raise PrefixShareError(
+                "this sglang.Engine was not started by PrefixShare.attach (its radix cache is not prefixshare's): "
+                "warming it would store nothing; start it with ps.attach(...)"
+            )
+        self.ps = ps
+        self.engine = engine
+        self.server_args = args
+        self._fp: Fingerprint | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        tokenizer = getattr(self.engine.tokenizer_manager, "tokenizer", None)
+        if tokenizer is None:
+            raise PrefixShareError("this sglang.Engine has no tokenizer (skip_tokenizer_init?); warming needs it")
+        return tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.tokenizer_manager.context_len)
+
+    def model_dir(self) -> str:
+        return str(self.server_args.model_path)
+
+    def fingerprint(self) -> Fingerprint:
+        """The fingerprint the engine's radix-cache backend namespaces the store with (computed the same way)."""
+        if self._fp is None:
+            from prefixshare.adapters.sglang._plugin import engine_settings
+            from prefixshare.fingerprint import compute_fingerprint
+
+            policy = self.ps.policy
+            sa = self.server_args
+            tok = getattr(sa, "tokenizer_path", None)
+            settings = engine_settings(sa).model_copy(update={"chunk_size": policy.chunk_size, "tenant": policy.tenant})
+            self._fp = compute_fingerprint(sa.model_path, settings, weights=policy.fingerprint.weights,
+                                           revision=policy.fingerprint.revision,
+                                           tokenizer_dir=tok if tok and tok != sa.model_path else None)
+            _check_published(self.ps, self._fp)
+        return self._fp
+
+    def kv_bytes_per_token(self) -> int:
+        return _kv_bytes_per_token(self.model_dir(), self.fingerprint())
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[PrefillResult]:
+        from prefixshare.adapters._runtime import REQ_DOCUMENT, REQ_PREFIX_TOKENS, REQ_TENANT
+        from prefixshare.adapters.sglang import request_kwargs
+
+        rids: list[str] = []
+        salts: list[str | None] = []
+        for req in requests:
+            params = req.kv_transfer_params
+            kw = request_kwargs(document_id=params.get(REQ_DOCUMENT), tenant=params.get(REQ_TENANT),
+                                prefix_tokens=params.get(REQ_PREFIX_TOKENS), cache_salt=req.cache_salt)
+            rids.append(kw["rid"])
+            salts.append(kw.get("cache_salt"))
+        # max_new_tokens=1: the prefill yields its first token anyway; nothing more is decoded
+        outputs = self.engine.generate(
+            input_ids=[list(r.token_ids) for r in requests], rid=rids,
+            cache_salt=salts if any(salts) else None,
+            sampling_params=[{"max_new_tokens": 1, "temperature": 0.0} for _ in requests],
+        )
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        return [PrefillResult(int(out["meta_info"].get("cached_tokens") or 0)) for out in outputs]
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the engine's own radix tree (SGLang refuses while requests run; warm runs none then)."""
+        result = self.engine.flush_cache()
+        if getattr(result, "success", True) is False:
+            get_logger(__name__).warning("warm.reset_prefix_cache_failed", engine="sglang",
+                                         message=str(getattr(result, "message", "")))
+
+
+def _check_published(ps: PrefixShare, fp: Fingerprint) -> None:
+    published = ps.stats().get("fingerprint")
+    if published and published != fp.digest:
+        get_logger(__name__).warning(
+            "warm.fingerprint_mismatch", computed=fp.short, connector=str(published)[:12],
+            message="the connector published another fingerprint than warm computed; verification "
+                    "may report missing chunks")
+
+
+def _kv_bytes_per_token(model_dir: str, fp: Fingerprint) -> int:
+    from prefixshare.plan import kv_bytes_per_token, shape_from_config
+
+    return kv_bytes_per_token(shape_from_config(Path(model_dir) / "config.json"), fp.engine.kv_dtype)
+
+
 def engine_for(ps: PrefixShare, engine: Any = None) -> WarmEngine:
     """The :class:`WarmEngine` for ``engine`` (default: the engine attached last to ``ps``)."""
     if engine is None:
@@ -168,7 +261,6 @@ def engine_for(ps: PrefixShare, engine: Any = None) -> WarmEngine:
     if module == "vllm":
         return VllmEngine(ps, engine)
     if module == "sglang":
-        raise PrefixShareError("warming SGLang engines is not supported yet (KV layouts differ between engines, "
-                               "so a vLLM warm does not serve SGLang replicas); implement "
-                               "prefixshare.warm.WarmEngine for it and pass that object")
-    raise PrefixShareError(f"cannot warm with {type(engine).__name__}: pass the vllm.LLM returned by ps.attach")
+        return SglangEngine(ps, engine)
+    raise PrefixShareError(f"cannot warm with {type(engine).__name__}: pass the vllm.LLM or sglang.Engine returned "
+                           "by ps.attach")

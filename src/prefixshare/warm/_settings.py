@@ -29,10 +29,21 @@ QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.st
 CPU_KV_CACHE_GB = "2"
 
 
-def apply_engine_env(*, quiet: bool = True) -> None:
+def apply_engine_env(*, quiet: bool = True, engine: str = "vllm") -> None:
     for key, value in {**ENGINE_ENV, **(QUIET_ENV if quiet else {})}.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GB)  # read by vLLM's CPU backend only
+    if engine == "sglang" and not _cuda():
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's CPU engine (set before it is imported)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:  # pragma: no cover - the engines bring torch
+        return False
 
 
 def default_block_size(chunk_size: int) -> int:
@@ -45,12 +56,7 @@ def default_block_size(chunk_size: int) -> int:
 
 def default_dtype() -> str:
     """float32 on CPU hosts (2-3x faster than bf16 on AVX2 for vLLM's CPU backend), else the model's."""
-    try:
-        import torch
-
-        return "auto" if torch.cuda.is_available() else "float32"
-    except ImportError:  # pragma: no cover - vLLM brings torch
-        return "auto"
+    return "auto" if _cuda() else "float32"
 
 
 def vllm_engine_kwargs(
@@ -78,4 +84,36 @@ def vllm_engine_kwargs(
     if int(extra.get("tensor_parallel_size", 1)) == 1 and int(extra.get("pipeline_parallel_size", 1)) == 1:
         kwargs["distributed_executor_backend"] = "uni"
     kwargs.update(extra)
+    return kwargs
+
+
+#: SGLang's CPU engine: the attention backend and page size it runs with, and a bounded KV pool
+SGLANG_CPU = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True, "page_size": 16,
+              "mem_fraction_static": 0.3, "max_total_tokens": 16384}
+
+
+def sglang_engine_kwargs(
+    policy: Policy,
+    model: str,
+    *,
+    dtype: str | None = None,
+    block_size: int | None = None,
+    max_model_len: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``sglang.Engine`` keyword arguments for a warm engine (before PrefixShare adds its radix-cache backend).
+
+    ``block_size`` is SGLang's ``page_size``; it enters the fingerprint, so it must be the replicas' (default:
+    16 on CPU hosts, SGLang's own elsewhere)."""
+    kwargs: dict[str, Any] = {"model_path": model, "dtype": dtype or default_dtype(), "random_seed": 0,
+                              "log_level": "warning"}
+    if not _cuda():
+        kwargs.update(SGLANG_CPU)
+    if block_size:
+        kwargs["page_size"] = block_size
+    if max_model_len:
+        kwargs["context_length"] = max_model_len
+        if "max_total_tokens" in kwargs:
+            kwargs["max_total_tokens"] = max(kwargs["max_total_tokens"], 2 * max_model_len)
+    kwargs.update(extra or {})
     return kwargs

@@ -12,8 +12,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import blake3
-
 from prefixshare import __version__, _metrics
 from prefixshare._log import get_logger
 from prefixshare.adapters._runtime import (
@@ -22,12 +20,13 @@ from prefixshare.adapters._runtime import (
     REQ_TENANT,
     admission_digest,
     namespace,
+    store_salt,
     tenant_salt,
 )
 from prefixshare.errors import PrefixShareError
 from prefixshare.warm._chunks import ChunkHasher, NamespaceIndex, store_dirs, store_root
 from prefixshare.warm._documents import Document, DocumentError, _from_string, _pair, resolve_documents, split_text
-from prefixshare.warm._engines import PrefillRequest, VllmEngine, WarmEngine, engine_for
+from prefixshare.warm._engines import PrefillRequest, WarmEngine, engine_for
 from prefixshare.warm._registry import DocumentRecord, Registry
 from prefixshare.warm._template import Template, as_template, prefix_ids, question_ids, tokens_digest
 
@@ -161,15 +160,7 @@ class _Planned:
 
 def expected_salt(tenant: str | None, cache_salt: str | None = None) -> str:
     """The cache salt the connector gives a request with this tenant and request salt (the file suffix)."""
-    parts = [tenant_salt(tenant)] if tenant else []
-    if cache_salt and not (tenant and cache_salt == parts[0]):
-        parts.append(cache_salt)
-    if not parts:
-        return cache_salt or ""
-    salt = "-".join(parts)
-    if len(salt) <= 128 and "@" not in salt and "/" not in salt:
-        return salt
-    return "s-" + blake3.blake3(salt.encode()).hexdigest()[:40]
+    return store_salt(tenant, cache_salt) or ""
 
 
 def _admission_digest(ids: list[int], chunk_size: int) -> str | None:
@@ -194,7 +185,7 @@ def _engine(ps: PrefixShare, engine: Any) -> WarmEngine:
     cache: dict[int, WarmEngine] = ps.__dict__.setdefault("_prefixshare_warm_engines", {})
     key = id(target)
     cached = cache.get(key)
-    if cached is None or (isinstance(cached, VllmEngine) and cached.llm is not target):
+    if cached is None or getattr(cached, "llm", getattr(cached, "engine", target)) is not target:
         cached = engine_for(ps, target)
         cache[key] = cached
     return cached
@@ -464,6 +455,8 @@ class Prompt:
 
     vLLM: ``llm.generate([p.engine_input()], SamplingParams(..., extra_args={"kv_transfer_params":
     p.kv_transfer_params}))``; over HTTP send ``prompt=p.token_ids`` and ``kv_transfer_params``.
+    SGLang: ``engine.generate(**p.sglang_kwargs(), sampling_params={...})``; over HTTP (``/generate``) send the
+    same fields (``input_ids``, ``rid``, ``cache_salt``) in the body.
     """
 
     token_ids: list[int]
@@ -486,6 +479,15 @@ class Prompt:
         if salt:
             out["cache_salt"] = salt
         return out
+
+    def sglang_kwargs(self) -> dict[str, Any]:
+        """``sglang.Engine.generate`` keyword arguments: the token ids, a request id carrying the document id and
+        prefix length (a fresh one per call: SGLang request ids must be unique), and the tenant's cache salt."""
+        from prefixshare.adapters.sglang import request_kwargs
+
+        return {"input_ids": list(self.token_ids),
+                **request_kwargs(document_id=self.document_id, tenant=self.tenant, prefix_tokens=self.prefix_tokens,
+                                 cache_salt=self.cache_salt)}
 
     def __len__(self) -> int:
         return len(self.token_ids)

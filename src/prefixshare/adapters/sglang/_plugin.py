@@ -230,7 +230,7 @@ def build_tree_cache(ctx: Any) -> Any:
                 return None
             if info.store_limit is not None:
                 limit = info.store_limit - info.store_limit % runtime.policy.chunk_size
-                token_ids = list(token_ids)[:limit]
+                token_ids = token_ids[:limit]  # a slice keeps SGLang's key type (array('q') in 0.5.23)
                 if not token_ids:
                     return None
             info.stored_tokens = max(info.stored_tokens, len(token_ids) - len(token_ids) % runtime.policy.chunk_size)

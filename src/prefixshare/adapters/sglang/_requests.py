@@ -12,14 +12,17 @@ import uuid
 from typing import Any
 from urllib.parse import quote, unquote
 
-from prefixshare.adapters._runtime import REQ_DOCUMENT, REQ_PREFIX_TOKENS, REQ_STORE, REQ_TENANT, tenant_salt
+from prefixshare.adapters._runtime import REQ_DOCUMENT, REQ_PREFIX_TOKENS, REQ_STORE, REQ_TENANT, store_salt
 
 _PREFIX = "ps|"
 
 
 def request_kwargs(*, document_id: str | None = None, tenant: str | None = None, prefix_tokens: int | None = None,
-                   store: bool | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``sglang.Engine.generate`` (or fields of a ``/generate`` request body)."""
+                   store: bool | None = None, cache_salt: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``sglang.Engine.generate`` (or fields of a ``/generate`` request body).
+
+    The request's ``cache_salt`` is the tenant's salt joined with ``cache_salt`` when both are given (the same
+    store key a vLLM request with that tenant and salt gets)."""
     fields = []
     if document_id is not None:
         fields.append(f"doc={quote(document_id, safe='')}")
@@ -30,8 +33,9 @@ def request_kwargs(*, document_id: str | None = None, tenant: str | None = None,
     if store is False:
         fields.append("store=0")
     out: dict[str, Any] = {"rid": _PREFIX + "|".join([*fields, uuid.uuid4().hex])}
-    if tenant is not None:
-        out["cache_salt"] = tenant_salt(tenant)
+    salt = store_salt(tenant, cache_salt)
+    if salt:
+        out["cache_salt"] = salt
     return out
 
 

@@ -1,0 +1,157 @@
+"""Warm with the real CLI and a real SGLang engine, then a fresh SGLang replica (another process) hits every document.
+
+`prefixshare warm DOCS --engine sglang --json` prefills three documents into an fs store through a running LMCache
+MP server. A fresh SGLang replica (tests/helpers/warm_replica.py) re-warms them (a no-op: the engine gets no
+request), is refused an over-long document, and asks questions built by prompt_for. Each document's prefix
+is loaded from the store on its first question (SGLang reports storage hits), and the greedy ids and logprobs
+equal a cold SGLang engine's. Negative control: the same question under another tenant loads nothing.
+SGLang runs with the test-only ``sgl_kernel`` stand-in from tests/shims.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import TESTS
+from e2e.common import CHUNK, policy_for, run_replica, same_output
+from prefixshare.server import LMCacheServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.server]
+
+SYSTEM = "Answer from the document."
+QUESTIONS = ["What is the harbor called?", "Who builds the bridge?"]
+DOC_TOKENS = {"alpha.md": 300, "beta.md": 600, "gamma.md": 900}
+SHIM_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS / "shims"), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """conftest isolates the cache dir per test; module fixtures (server, replicas) run before that."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PREFIXSHARE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ps-cache"))
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def model(work: Path) -> Path:
+    from prefixshare.model import create_model
+
+    return create_model(work / "model", shape="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def docs(work: Path) -> Path:
+    from prefixshare.model import document_text
+
+    folder = work / "docs"
+    folder.mkdir()
+    for i, (name, n) in enumerate(DOC_TOKENS.items()):
+        (folder / name).write_text(document_text(n, seed=20 + i))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(work: Path) -> Iterator[LMCacheServer]:
+    with LMCacheServer(policy_for(work / "store", admission={"any": [{"min_tokens": 256}, {"pinned": ["*.md"]}]})) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def policy_file(work: Path, server: LMCacheServer) -> Path:
+    import yaml
+
+    path = work / "policy.yaml"
+    path.write_text(yaml.safe_dump(server.policy.to_dict()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cli_warm(work: Path, model: Path, docs: Path, policy_file: Path) -> dict[str, Any]:
+    exe = Path(sys.executable).parent / "prefixshare"
+    argv = [str(exe), "warm", str(docs), "--engine", "sglang", "--policy", str(policy_file), "--model", str(model),
+            "--system", SYSTEM, "--max-model-len", "2048", "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, **SHIM_ENV})
+    (work / "cli-warm.stderr").write_text(proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)  # --json: stdout is one JSON document, engine logs went to stderr
+
+
+@pytest.fixture(scope="module")
+def replica(work: Path, model: Path, docs: Path, policy_file: Path, cli_warm: dict[str, Any]) -> dict[str, Any]:
+    from prefixshare.model import document_text
+
+    spec = {"model": str(model), "policy_file": str(policy_file), "instance": f"sgl-warm-replica-{os.getpid()}",
+            "engine_type": "sglang", "system": SYSTEM, "docs": [str(docs / name) for name in DOC_TOKENS],
+            "questions": QUESTIONS, "long_doc": document_text(2500, seed=9), "max_tokens": 6,
+            "foreign_tenant": "globex"}
+    path = work / "replica.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(TESTS / "helpers" / "warm_replica.py"), str(path)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **SHIM_ENV})
+    (work / "replica.stderr").write_text(proc.stderr)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def cold(work: Path, model: Path, replica: dict[str, Any]) -> list[dict[str, Any]]:
+    """A cold SGLang engine (no prefixshare) answering the same prompts."""
+    prompts = [a["prompt"] for a in replica["answers"]]
+    result = run_replica(work, "sgl-warm-cold", model, None,
+                         [{"prompt_token_ids": p, "max_tokens": 6} for p in prompts], engine_type="sglang", timeout=300)
+    return result["results"]
+
+
+def test_cli_warm_with_sglang_prefills_verifies_and_records_every_document(cli_warm: dict[str, Any], work: Path) -> None:
+    assert cli_warm["engine"] == "sglang" and cli_warm["ok"] is True
+    docs = {d["id"]: d for d in cli_warm["documents"]}
+    assert set(docs) == set(DOC_TOKENS)
+    for doc in docs.values():
+        assert doc["status"] == "warmed" and doc["verified"] is True, doc
+        assert doc["chunks"] == doc["tokens"] // CHUNK and doc["bytes"] > 0
+    files = list((work / "store").glob(f"{cli_warm['namespace']}@*.data"))
+    assert len(files) == sum(d["chunks"] for d in docs.values())  # exactly the documents' prefixes
+    records = list((work / "store" / ".prefixshare" / "documents" / cli_warm["fingerprint"]).glob("*.json"))
+    assert sorted(r.name for r in records) == sorted(f"{name}.json" for name in DOC_TOKENS)
+    assert {json.loads(r.read_text())["engine"] for r in records} == {"sglang"}
+
+
+def test_sglang_rewarm_is_a_no_op_and_an_over_long_document_is_refused(replica: dict[str, Any]) -> None:
+    assert [d["status"] for d in replica["rewarm"]["documents"]] == ["skipped"] * len(DOC_TOKENS)
+    assert replica["requests_after_rewarm"] == 0  # nothing was sent to the engine
+    long = replica["long"]
+    assert long is not None and long["error"] == "DocumentTooLongError", long
+    assert long["too_long"][0][0] == "manual-long" and long["too_long"][0][1] > 2048
+
+
+def test_a_fresh_sglang_replica_loads_every_warmed_document_and_answers_like_a_cold_engine(
+    replica: dict[str, Any], cli_warm: dict[str, Any], cold: list[dict[str, Any]]
+) -> None:
+    warmed = {d["id"]: d for d in cli_warm["documents"]}
+    first: dict[str, dict[str, Any]] = {}
+    for answer in replica["answers"]:
+        name = Path(answer["doc"]).name
+        assert answer["prefix_tokens"] == warmed[name]["tokens"]  # prompt_for rebuilt the warmed prefix exactly
+        first.setdefault(name, answer)
+    for name, answer in first.items():
+        # the first question on a document: its whole stored prefix comes from the store, not this replica
+        assert answer["storage_tokens"] >= warmed[name]["chunks"] * CHUNK, (name, answer)
+    assert replica["stats"]["tokens_loaded"] >= sum(d["chunks"] * CHUNK for d in warmed.values())
+    for answer, ref in zip(replica["answers"], cold, strict=True):
+        assert same_output(answer, ref), (answer["doc"], answer["question"])
+
+
+def test_another_tenant_does_not_load_the_warmed_document(replica: dict[str, Any], cold: list[dict[str, Any]]) -> None:
+    foreign = replica["foreign"]
+    assert foreign["storage_tokens"] == 0 and foreign["cached"] == 0, foreign  # other salt: no store, no local hit
+    assert foreign["token_ids"] == cold[0]["token_ids"]
