@@ -28,7 +28,8 @@ def run_replica(tmp: Path, name: str, model: Path, policy: Policy | None, reques
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(spec))
     env = {**os.environ, "PREFIXSHARE_LOG_JSON": "1", "PREFIXSHARE_LOG_LEVEL": "INFO"}
-    if engine_type == "sglang":  # the test-only sgl_kernel stand-in (see tests/shims/sgl_kernel)
+    if engine_type == "sglang" and extra.get("engine", {}).get("device", "cpu") == "cpu":
+        # the test-only sgl_kernel stand-in (see tests/shims/sgl_kernel); a GPU run uses the real kernels
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS / "shims"), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(SCRIPTS[engine_type]), str(path)], capture_output=True, text=True,
                           timeout=timeout, env=env)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from e2e.common import CHUNK, corrupt_copy, document_ids, policy_for, run_replica, same_output
+from e2e.common import CHUNK, corrupt_copy, document_ids, hf_greedy, policy_for, run_replica, same_output
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
@@ -75,7 +75,7 @@ def replica_b(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]
         req(prompts["tenant"], tenant="globex"),
         req(prompts["tenant"], tenant="acme"),
     ]
-    return run_replica(work, "sgl-b", models["main"], server.policy, requests, **SGL)
+    return run_replica(work, "sgl-b", models["main"], server.policy, requests, server_args=True, **SGL)  # ServerArgs form
 
 
 def test_fresh_sglang_replica_loads_the_document_from_the_store(
@@ -90,13 +90,44 @@ def test_fresh_sglang_replica_loads_the_document_from_the_store(
     assert stats["bytes_loaded"] == stats["tokens_loaded"] * stats["kv_bytes_per_token"]
 
 
-def test_sglang_admission_and_tenants(replica_a: dict[str, Any], replica_b: dict[str, Any], cold: dict[str, Any]) -> None:
+def test_sglang_admission_and_tenants(
+    replica_a: dict[str, Any], replica_b: dict[str, Any], cold: dict[str, Any], prompts: dict[str, list[int]],
+    store: Path,
+) -> None:
     short, pinned, other, same = replica_b["results"][1:5]
     assert short["storage_tokens"] == 0 and same_output(short, cold["short"])
     assert pinned["storage_tokens"] == 192 and same_output(pinned, cold["pinned"])
     assert replica_a["stats"]["refused"] == {"min_tokens": 1}
     assert other["storage_tokens"] == 0 and same_output(other, cold["tenant"])  # tenants never hit each other
     assert same["storage_tokens"] >= 576 and same_output(same, cold["tenant"])
+    # the store's objects, by chunk hash: the refused short prompt wrote none, the pinned one all of its own
+    from prefixshare.warm import ChunkHasher
+
+    hasher = ChunkHasher(CHUNK)
+    namespace = replica_a["stats"]["namespace"]
+    unsalted = {f.name.split("@")[3].removesuffix(".data") for f in store.glob(f"{namespace}@*.data")
+                if f.name.count("@") == 3}
+    assert not set(hasher.hashes(prompts["short"])) & unsalted
+    assert set(hasher.hashes(prompts["pinned"])) <= unsalted
+    assert len(unsalted) == DOC_TOKENS // CHUNK + 200 // CHUNK  # the document and the pinned prompt, nothing else
+    for tenant in ("acme", "globex"):
+        assert len(list(store.glob(f"{namespace}@*@t-{tenant}.data"))) == 600 // CHUNK
+
+
+@pytest.mark.parametrize(("variant", "field"), [("other_tok", "tokenizer"), ("other_weights", "weights")])
+def test_incompatible_sglang_replicas_load_nothing_and_say_why(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], server: LMCacheServer,
+    replica_a: dict[str, Any], cold: dict[str, Any], variant: str, field: str,
+) -> None:
+    out = run_replica(work, f"sgl-incompatible-{field}", models[variant], server.policy, [req(prompts["doc"])], **SGL)
+    result = out["results"][0]
+    assert result["storage_tokens"] == 0 and out["stats"]["tokens_loaded"] == 0  # same ids, same store: nothing
+    warnings = _incompatible_events(out)
+    assert len(warnings) == 1 and any(field in d for d in warnings[0]["differences"]), out["events"]
+    if variant == "other_tok":
+        assert same_output(result, cold["doc"])  # the same weights on the same ids: the cold answer
+    else:
+        assert result["token_ids"] == hf_greedy(models[variant], [prompts["doc"]], 12)[0]  # its own cold answer
 
 
 def test_sglang_corrupted_chunks_change_the_output_unless_checked(
@@ -158,7 +189,7 @@ def test_vllm_written_kv_is_refused_by_sglang_and_the_reverse(cross: dict[str, A
     assert cross["sglang_reads"]["stats"]["tokens_loaded"] == 0
     reasons = _incompatible_events(cross["sglang_reads"])
     assert reasons and any("KV layout" in d for d in reasons[0]["differences"]), cross["sglang_reads"]["events"]
-    # the reverse: SGLang wrote its own namespace in between; vLLM must not load it either
+    # both namespaces side by side: SGLang wrote its own in between; vLLM keeps hitting only its own
     vllm_doc = cross["vllm_reads"]["results"][0]
     assert vllm_doc["num_cached_tokens"] >= 0.9 * DOC_TOKENS  # its own engine's KV: a hit
     sgl_ns = cross["sglang_reads"]["stats"]["namespace"]
@@ -168,41 +199,71 @@ def test_vllm_written_kv_is_refused_by_sglang_and_the_reverse(cross: dict[str, A
     assert files == {sgl_ns, vllm_ns}
 
 
-@pytest.fixture(scope="module")
-def per_engine_objects(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]) -> dict[str, dict[str, bytes]]:
-    """The same tokens stored by each engine into a store of its own: {engine: {chunk hash: bytes}}."""
-    objects: dict[str, dict[str, bytes]] = {}
-    for engine in ("vllm", "sglang"):
-        store = work / f"bits-{engine}"
+def _objects_per_engine(work: Path, model: Path, ids: list[int], tag: str,
+                        engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The same tokens stored by each engine into a store of its own: {engine: {chunk hash: bytes}}, plus
+    {engine + ".result": the replica's result}. ``engines``: engine kind -> engine kwargs overrides."""
+    objects: dict[str, Any] = {}
+    for engine, overrides in engines.items():
+        store = work / f"bits-{tag}{engine}"
         with LMCacheServer(policy_for(store)) as srv:
             kwargs = SGL if engine == "sglang" else {}
-            result = run_replica(work, f"bits-{engine}", models["main"], srv.policy, [req(prompts["doc"])], **kwargs)
+            result = run_replica(work, f"bits-{tag}{engine}", model, srv.policy, [req(ids)], engine=overrides, **kwargs)
         objects[engine] = {p.name.split("@")[3]: p.read_bytes() for p in store.glob("*.data") if p.name.count("@") == 3}
-        objects[engine + ".result"] = result  # type: ignore[assignment]
+        objects[engine + ".result"] = result
     return objects
+
+
+@pytest.fixture(scope="module")
+def per_engine_objects(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]) -> dict[str, Any]:
+    return _objects_per_engine(work, models["main"], prompts["doc"], "", {"vllm": {}, "sglang": {}})
 
 
 def _namespace(result: dict[str, Any]) -> str:
     return str(result["stats"]["namespace"])
 
 
-def test_layout_labels_tell_the_truth_bit_for_bit(per_engine_objects: dict[str, Any]) -> None:
-    """Equal stored bytes if and only if equal fingerprints (namespaces): sharing is allowed exactly where the
-    engines' objects are byte-identical. On CPU the layouts differ (vLLM's CPU attention keeps its own
-    blocked layout; SGLang stores split K/V token-major), so the namespaces must differ too."""
-    vllm, sgl = per_engine_objects["vllm"], per_engine_objects["sglang"]
+def _assert_labels_tell_the_truth(objects: dict[str, Any]) -> tuple[bool, bool]:
+    vllm, sgl = objects["vllm"], objects["sglang"]
     common = sorted(set(vllm) & set(sgl))
     assert len(common) >= DOC_TOKENS // CHUNK - 1, (len(vllm), len(sgl))
     assert all(len(vllm[h]) == len(sgl[h]) for h in common)  # same size per chunk: only the layout differs
     identical = all(vllm[h] == sgl[h] for h in common)
-    same_namespace = _namespace(per_engine_objects["vllm.result"]) == _namespace(per_engine_objects["sglang.result"])
+    same_namespace = _namespace(objects["vllm.result"]) == _namespace(objects["sglang.result"])
     assert identical == same_namespace, (identical, same_namespace)
+    return identical, same_namespace
 
 
-def test_gpu_layouts_bit_for_bit() -> None:
-    """The GPU case (split K/V formats expected byte-identical through LMCache's GPU connectors) needs CUDA
-    builds of both engines; the device checks run it outside CI."""
+def test_layout_labels_tell_the_truth_bit_for_bit(per_engine_objects: dict[str, Any]) -> None:
+    """Equal stored bytes if and only if equal fingerprints (namespaces): sharing is allowed exactly where the
+    engines' objects are byte-identical. On CPU the layouts differ (vLLM's CPU attention keeps its own
+    blocked layout; SGLang stores split K/V token-major), so the namespaces must differ too."""
+    identical, _ = _assert_labels_tell_the_truth(per_engine_objects)
+    assert not identical  # on CPU: the two layouts really differ (else this test would check nothing)
+
+
+def test_gpu_layouts_bit_for_bit(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]) -> None:
+    """The same check with CUDA builds of both engines on a GPU (split K/V formats, expected byte-identical
+    through LMCache's GPU connectors): equal labels if and only if equal bytes. CI machines are CPU-only."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU with CUDA builds of vLLM and SGLang; CI machines are CPU-only")
-    pytest.skip("run tests/e2e with CUDA engines on a GPU host (see the closing notes of the SGLang issue)")
+    gpu = {"vllm": {"dtype": "float16"},
+           "sglang": {"device": "cuda", "attention_backend": "triton", "dtype": "float16", "mem_fraction_static": 0.5}}
+    _assert_labels_tell_the_truth(_objects_per_engine(work, models["main"], prompts["doc"], "gpu-", gpu))
+
+
+def test_sglang_written_kv_is_refused_by_vllm(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], per_engine_objects: dict[str, Any],
+    cross: dict[str, Any],
+) -> None:
+    """The reverse on a store only SGLang wrote: a vLLM replica loads 0 tokens, says why, answers cold."""
+    store = work / "bits-sglang"
+    with LMCacheServer(policy_for(store)) as srv:
+        out = run_replica(work, "x-vllm-on-sgl", models["main"], srv.policy, [req(prompts["doc"])])
+    result = out["results"][0]
+    assert result["num_cached_tokens"] == 0 and out["stats"]["tokens_loaded"] == 0
+    reasons = _incompatible_events(out)
+    assert reasons and any("KV layout" in d for d in reasons[0]["differences"]), out["events"]
+    # vLLM's cold answer: its first request on the cross store, which held nothing of vLLM's yet
+    assert same_output(result, cross["vllm_writes"]["results"][0])

@@ -82,7 +82,7 @@ def replica_b(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]
         req(prompts["tenant"], **{"prefixshare.tenant": "globex"}),  # another tenant: must not hit acme's KV
         req(prompts["tenant"], **{"prefixshare.tenant": "acme"}),
     ]
-    return run_replica(work, "replica-b", models["main"], server1.policy, requests)
+    return run_replica(work, "replica-b", models["main"], server1.policy, requests, engine_args=True)  # EngineArgs form
 
 
 # --- tests ------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import signal
 import sys
 import time
 
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
@@ -22,6 +21,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
+    if spec.get("engine", {}).get("device", "cpu") == "cpu":
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # before SGLang is imported
     from prefixshare._log import configure
 
     configure(level="INFO", json=True)
@@ -38,7 +39,12 @@ def main() -> None:
         from prefixshare import Policy, PrefixShare
 
         ps = PrefixShare(Policy.build(**spec["policy"]), server=False, instance=spec["instance"])
-        eng = ps.attach(engine, engine_type="sglang")
+        if spec.get("server_args"):  # attach the documented ServerArgs form instead of a dict of Engine kwargs
+            from sglang.srt.server_args import ServerArgs
+
+            eng = ps.attach(ServerArgs(**engine))
+        else:
+            eng = ps.attach(engine, engine_type="sglang")
     engine_s = time.monotonic() - started
     from prefixshare.adapters.sglang import request_kwargs
 

@@ -45,7 +45,8 @@ def main() -> None:
         from prefixshare import Policy, PrefixShare
 
         ps = PrefixShare(Policy.build(**spec["policy"]), server=False, instance=spec["instance"])
-        llm = ps.attach(engine)
+        # "engine_args": attach the documented vllm.EngineArgs form instead of a dict of LLM kwargs
+        llm = ps.attach(vllm.EngineArgs(**engine) if spec.get("engine_args") else engine)
     engine_s = time.monotonic() - started
     results = []
     kill = {int(k): v for k, v in spec.get("kill_before", {}).items()}

@@ -94,9 +94,14 @@ def serve_args(policy: Policy, model: str, *, policy_file: str, instance: str = 
 
 
 def _kwargs_from_server_args(args: Any) -> dict[str, Any]:
+    """The Engine keyword arguments a ServerArgs differs from the defaults by (0.5.23's ServerArgs is a msgspec
+    Struct; older ones are dataclasses)."""
+    names = getattr(args, "__struct_fields__", None)
+    if names is None:
+        names = [f.name for f in dataclasses.fields(args)]
     defaults = type(args)(model_path=args.model_path)
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-            if f.name == "model_path" or getattr(args, f.name) != getattr(defaults, f.name)}
+    return {name: getattr(args, name) for name in names
+            if name == "model_path" or getattr(args, name) != getattr(defaults, name)}
 
 
 def attach(policy: Policy, engine: Any, *, instance: str) -> Any:
