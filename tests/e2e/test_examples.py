@@ -33,9 +33,15 @@ def test_every_example_is_tested() -> None:
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
-def test_vllm_serve_prints_the_command() -> None:
-    out = run_example("vllm_serve.py")
+@pytest.mark.engine
+@pytest.mark.server
+def test_vllm_serve_prints_the_command_and_serves_with_it() -> None:
+    out = run_example("vllm_serve.py", "--run")
     assert "PrefixShareConnector" in out and "--kv-transfer-config" in out and "LMCACHE_TRACK_USAGE=false" in out
+    stats = {line.split(":")[0]: line for line in out.splitlines() if line.startswith("request ")}
+    assert set(stats) == {"request 1", "request 2"}, out
+    # the second request's prefix is in the replica's own cache: the stats the HTTP answer carries say so
+    assert "'num_vllm_cached_tokens': 0," not in stats["request 2"], out
 
 
 @pytest.mark.engine

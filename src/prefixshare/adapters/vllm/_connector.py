@@ -123,6 +123,9 @@ class PrefixShareConnector(LMCacheMPConnector):
         tracker = self._get_or_create_request_tracker(request)
         info = self.prefixshare.requests.get(request.request_id)
         if tracker.state == LMCacheMPRequestState.PREFETCHING and tracker.lookup_started_at is None:
+            # what the engine's own prefix cache holds, reported in cached_token_stats even when no lookup runs
+            # (LMCache sets it after a lookup; the bypasses below return before one)
+            tracker.num_vllm_hit_tokens = num_computed_tokens
             if self._load_mode == "never":
                 tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
             elif not self.prefixshare.store_available() or not self._server_ready():
