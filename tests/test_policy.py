@@ -258,6 +258,8 @@ def test_missing_directory_error_names_field_and_fix() -> None:
         ({"admission": {"min_tokenz": 5}}, "admission", "min_tokens"),
         ({"admission": {"all": [{"min_tokens": -1}]}}, "admission.all[0].min_tokens", "positive"),
         ({"bogus": 1}, "bogus", "known fields"),
+        ({"fingerprint": {"manifests": "shared/manifests"}}, "fingerprint.manifests", "absolute"),
+        ({"fingerprint": {"manifests": "nfsx://host/dir"}}, "fingerprint.manifests", "s3://"),
         # Mooncake ignores these keys silently (90 s of retries, nothing stored): refused with the rename
         ({"l2": [{"type": "mooncake_store", "master_server_address": "h:1", "metadata_server": "P2PHANDSHAKE"}]},
          "l2[0]", "rename 'master_server_address' to 'master_server_addr'"),
@@ -340,3 +342,24 @@ def test_shared_memory_is_on_by_default_and_named_after_the_port(tmp_path: Path)
     assert "--shm-name" not in server_argv(off)
     with pytest.raises(PolicyError, match=r"server.shm_name: 'a/b' is not a usable shared-memory name"):
         Policy.build(server={"shm_name": "a/b"})
+
+
+def test_manifests_go_where_the_policy_says_else_beside_the_fs_tier(tmp_path: Path) -> None:
+    """Stores without a directory tier (Redis, Valkey, Mooncake, S3) record fingerprints at fingerprint.manifests,
+    so an incompatible replica can still say why it loads nothing."""
+    from prefixshare.adapters._runtime import manifest_url
+    from prefixshare.fingerprint import EngineSettings, Fingerprint, compute_fingerprint, explain, write_manifest
+    from prefixshare.model import create_model
+
+    redis = {"type": "resp", "host": "127.0.0.1", "port": 6379}
+    assert manifest_url(Policy.build(l2=[redis])) is None
+    assert manifest_url(Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path), "create": True}])) == str(tmp_path)
+    policy = Policy.build(l2=[redis], fingerprint={"manifests": "memory://ps-manifests"})
+    url = manifest_url(policy)
+    assert url == "memory://ps-manifests"
+    model = create_model(tmp_path / "m", shape="tiny", seed=0)
+    written: Fingerprint = compute_fingerprint(model, EngineSettings(engine="vllm", kv_dtype="float32"))
+    write_manifest(url, written)
+    reader = compute_fingerprint(model, EngineSettings(engine="vllm", kv_dtype="bfloat16"))
+    [(manifest, diffs)] = explain(url, reader)
+    assert manifest.digest == written.digest and any("kv_dtype" in d.field for d in diffs)

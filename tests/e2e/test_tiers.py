@@ -121,6 +121,31 @@ def test_vllm_replicas_on_two_nodes_share_through_redis_and_survive_its_death(
 
 
 @pytest.mark.engine
+def test_a_replica_on_a_redis_store_explains_a_mismatch_from_the_shared_manifests(
+    tmp_path: Path, redis: dict[str, Any]
+) -> None:
+    """Redis holds no files, so fingerprints are recorded at fingerprint.manifests: a replica with another KV
+    dtype loads nothing from the shared Redis and says which field differs."""
+    from prefixshare.model import create_model
+
+    model = create_model(tmp_path / "m", shape="tiny", seed=0)
+    doc = document_ids(model, 24, 600)
+    manifests = tmp_path / "manifests"
+    policy = tier_policy("resp", redis["port"], chunk_size=64, fingerprint={"manifests": str(manifests)})
+    with LMCacheServer(policy) as node:
+        run_replica(tmp_path, "fp-a", model, node.policy, [{"prompt_token_ids": doc}])
+        same = run_replica(tmp_path, "fp-same", model, node.policy, [{"prompt_token_ids": doc}])
+        other = run_replica(tmp_path, "fp-bf16", model, node.policy, [{"prompt_token_ids": doc}],
+                            engine={"dtype": "bfloat16"})
+    assert same["results"][0]["num_cached_tokens"] >= 576  # the control: same fingerprint, loaded from Redis
+    assert not [e for e in same["events"] if e.get("event") == "store.incompatible"]
+    assert other["results"][0]["num_cached_tokens"] == 0 and other["stats"]["tokens_loaded"] == 0
+    warnings = [e for e in other["events"] if e.get("event") == "store.incompatible"]
+    assert len(warnings) == 1 and any("kv_dtype" in d for d in warnings[0]["differences"]), other["events"]
+    assert len(list((manifests / ".prefixshare" / "manifests").glob("*.json"))) == 2  # one per fingerprint
+
+
+@pytest.mark.engine
 def test_a_frozen_redis_costs_at_most_the_timeout(tmp_path: Path, redis: dict[str, Any]) -> None:
     from prefixshare.model import create_model
 

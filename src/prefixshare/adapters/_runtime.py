@@ -125,7 +125,9 @@ def namespace(fp: Fingerprint) -> str:
 
 
 def manifest_url(policy: Policy) -> str | None:
-    """Where manifests live: beside the first directory tier (None when the policy has none)."""
+    """Where manifests live: ``fingerprint.manifests``, else beside the first directory tier (None: nowhere)."""
+    if policy.fingerprint.manifests:
+        return policy.fingerprint.manifests
     for tier in policy.l2:
         path = getattr(tier, "base_path", None)
         if path:

@@ -26,6 +26,8 @@ _OPTIONAL = """
 #   mode: always            # always | never | auto (load only when predicted faster than prefill)
 # fingerprint:
 #   weights: content        # content (digest of every weight byte, cached) | headers (faster, weaker)
+#   manifests: /mnt/nfs/ps  # where replicas record their fingerprints, to explain mismatches (default: the
+#                           # fs tier; set it for redis/valkey/mooncake/s3 stores: a shared dir or s3://...)
 # admission:                # which prefixes are stored; combine rules with all / any / not
 #   all:
 #     - min_tokens: 256
@@ -52,6 +54,19 @@ def _starter(preset: str, store: str | None) -> str:
     ) + "\n" + _OPTIONAL
 
 
+def _preset_description(preset: str) -> str:
+    """The first sentence of a shipped preset's leading comment block ("" when it has none)."""
+    from prefixshare.policy import preset_text
+
+    lines = []
+    for line in preset_text(preset).splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(ln for ln in lines if ln)
+    return re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
+
+
 def _problems_json(exc: Any) -> list[dict[str, Any]]:
     from prefixshare.errors import _MISSING
 
@@ -70,16 +85,30 @@ def register(app: typer.Typer) -> None:
         preset: str = typer.Option("single-node", "--preset", help="Shipped preset to start from."),
         store: str | None = typer.Option(None, "--store", help="Directory for the fs tier (absolute)."),
         list_: bool = typer.Option(False, "--list", help="List the shipped presets."),
+        json: bool = JSON_OPTION,
     ) -> None:
-        """Print a commented starter policy (YAML) on stdout."""
+        """Print a commented starter policy (YAML) on stdout.
+
+        --json prints {"preset", "store", "yaml", "settings"}: "yaml" is the starter file's text (write it out
+        as is), "settings" the fields it sets as a mapping (not validated: the --store directory may not exist
+        yet). --list --json prints [{"name", "description"}], one per shipped preset."""
+        import yaml
+
         from prefixshare.policy import list_presets
 
         if list_:
-            out.print("\n".join(list_presets()))
+            if json:
+                emit_json([{"name": name, "description": _preset_description(name)} for name in list_presets()])
+            else:
+                out.print("\n".join(list_presets()))
             return
         if store is not None:
             store = str(Path(store).expanduser().absolute())
-        typer.echo(_starter(preset, store), nl=False)
+        text = _starter(preset, store)
+        if json:
+            emit_json({"preset": preset, "store": store, "yaml": text, "settings": yaml.safe_load(text)})
+            return
+        typer.echo(text, nl=False)
 
     @policy_app.command("validate")
     @handles_errors

@@ -109,6 +109,29 @@ class FingerprintSettings(BaseModel):
     #: file sizes only — faster on huge checkpoints, but two checkpoints of equal shape collide.
     weights: Literal["content", "headers"] = "content"
     revision: str | None = Field(None, description="model revision (commit) when known")
+    #: where replicas record the fingerprints they write under (manifests), so a replica that cannot read a
+    #: store explains why, field by field: any fsspec URL (a shared directory, s3://bucket/prefix with s3fs...).
+    #: Default: the first fs tier's directory. Stores without one (Redis, Valkey, Mooncake, S3) need it for the
+    #: explanation; without it an incompatible replica still loads nothing, but does not say why.
+    manifests: str | None = Field(None, description="fsspec URL for fingerprint manifests (default: the fs tier)")
+
+    @field_validator("manifests")
+    @classmethod
+    def _manifests_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip()
+        scheme, sep, _ = value.partition("://")
+        if not sep:
+            if not value.startswith("/"):
+                raise ValueError(f"{value!r} is a relative path; give an absolute directory or a URL (s3://...)")
+            return value
+        from fsspec.registry import known_implementations, registry
+
+        if scheme not in registry and scheme not in known_implementations:
+            raise ValueError(f"{value!r}: no filesystem for the scheme {scheme!r}; use a directory or a URL fsspec "
+                             "knows (file://, s3://, gs://, memory://...)")
+        return value
 
 
 class Policy(BaseModel):

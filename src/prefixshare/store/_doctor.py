@@ -275,17 +275,19 @@ def check_integrity(report: DoctorReport, policy: Policy, *, verify: bool) -> No
 def check_fingerprint(report: DoctorReport, policy: Policy, model: str | None) -> None:
     """The local model's fingerprint against every manifest in the store, with each writer's engine settings
     (so the comparison shows whether this model could read what is there)."""
-    from prefixshare.adapters._runtime import namespace
+    from prefixshare.adapters._runtime import manifest_url, namespace
     from prefixshare.fingerprint import EngineSettings, compute_fingerprint, diff, read_manifests
 
-    root = store_root(policy)
+    root = manifest_url(policy)
     if model is None:
         report.add("fingerprint", INFO, "not checked (pass --model to compare the local model with the store)")
         return
     if root is None:
-        report.add("fingerprint", INFO, "not checked: the policy has no directory tier to hold manifests")
+        report.add("fingerprint", INFO, "not checked: the policy has no directory tier to hold manifests and no "
+                   "fingerprint.manifests URL", "set fingerprint.manifests to a location every replica can write "
+                   "(a shared directory, s3://bucket/prefix) so replicas can explain mismatches")
         return
-    manifests = read_manifests(str(root))
+    manifests = read_manifests(root)
     if not manifests:
         report.add("fingerprint", INFO, f"the store {root} holds no manifests yet (nothing was written to it)")
         return
