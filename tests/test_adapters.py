@@ -51,6 +51,49 @@ def test_conflicting_engine_args_are_refused_before_start(policy: Policy, kwargs
     assert info.value.problems[0].loc == loc and info.value.problems[0].fix
 
 
+def _built_llm(kv_transfer_config: object) -> object:
+    """A real ``vllm.LLM`` instance with only what attach reads (no engine is started)."""
+    from types import SimpleNamespace
+
+    import vllm
+
+    llm = object.__new__(vllm.LLM)
+    llm.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=kv_transfer_config))
+    return llm
+
+
+def test_attaching_an_llm_built_without_our_connector_says_how_to_fix_it(policy: Policy) -> None:
+    from vllm.config import KVTransferConfig
+
+    from prefixshare.adapters.vllm import attach
+
+    # the adapter's attach: PrefixShare.attach contacts the server first, this check needs none
+    for cfg in (None, KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")):
+        with pytest.raises(PrefixShareError) as info:
+            attach(policy, _built_llm(cfg), instance="i")
+        message = str(info.value)
+        assert "without prefixshare's connector" in message and "cannot be rewired" in message
+        assert "EngineArgs" in message and "ps.engine_kwargs(model=...)" in message  # the two ways to fix it
+    ours = _built_llm(KVTransferConfig(**kv_transfer_config(policy, instance="i")))
+    assert attach(policy, ours, instance="i") is ours  # already wired: returned as is
+
+
+def test_engine_args_become_llm_kwargs_with_only_the_users_fields(policy: Policy, tmp_path: Path) -> None:
+    import vllm
+
+    from prefixshare.adapters.vllm import _kwargs_from_engine_args
+
+    model = str(tmp_path)  # a local directory: offline, EngineArgs resolves anything else as a Hub repo id
+    args = vllm.EngineArgs(model=model, block_size=32, dtype="float32", max_model_len=512, enforce_eager=True)
+    kwargs = _kwargs_from_engine_args(args)
+    assert kwargs == {"model": model, "block_size": 32, "dtype": "float32", "max_model_len": 512,
+                      "enforce_eager": True}
+    assert vllm.EngineArgs(**kwargs) == args  # vllm.LLM(**kwargs) builds the same EngineArgs
+    wired = engine_kwargs(policy, instance="i", **kwargs)
+    assert {k: wired[k] for k in kwargs} == kwargs and wired["kv_transfer_config"]["kv_connector"] == CONNECTOR
+    assert _kwargs_from_engine_args(vllm.EngineArgs(model=model)) == {"model": model}
+
+
 def test_vllm_args_cli_prints_a_parseable_kv_transfer_config(cli: typer.Typer, tmp_path: Path, policy: Policy) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(f"chunk_size: 64\nl2:\n  - type: fs\n    base_path: {tmp_path}\n")
@@ -272,6 +315,16 @@ def test_sglang_engine_kwargs_and_conflicts(policy: Policy) -> None:
         with pytest.raises(PolicyError) as info:
             engine_kwargs(policy, instance="s1", model_path="/m", **bad)
         assert info.value.problems[0].loc == loc
+
+
+def test_sglang_extra_pins_the_version_the_cpu_environment_installs() -> None:
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pinned = [ln for ln in (root / "requirements" / "sglang-cpu.txt").read_text().splitlines()
+              if ln.startswith("sglang==")]
+    assert extras["sglang"] == pinned and {"vllm", "test"} <= set(extras)
 
 
 def test_sglang_plugin_is_discoverable_through_the_entry_point() -> None:

@@ -41,6 +41,27 @@ def test_init_writes_a_valid_commented_policy(cli: typer.Typer, tmp_path: Path) 
         Policy.build(**yaml.safe_load(optional))
 
 
+def test_init_json_lists_presets_and_carries_the_starter_yaml(cli: typer.Typer, tmp_path: Path) -> None:
+    listed = invoke(cli, "policy", "init", "--list", "--json")
+    assert listed.exit_code == 0, listed.output
+    presets = {p["name"]: p["description"] for p in json.loads(listed.output)}
+    assert {"single-node", "shared-nfs", "valkey", "mooncake"} <= set(presets)
+    assert presets["single-node"].startswith("One node") and all(presets.values())
+    assert invoke(cli, "policy", "init", "--list").output.split() == sorted(presets)  # human output unchanged
+
+    result = invoke(cli, "policy", "init", "--preset", "shared-nfs", "--store", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["preset"] == "shared-nfs" and data["store"] == str(tmp_path)
+    assert data["yaml"] == invoke(cli, "policy", "init", "--preset", "shared-nfs", "--store", str(tmp_path)).output
+    assert data["settings"] == yaml.safe_load(data["yaml"]) and data["settings"]["preset"] == "shared-nfs"
+    path = tmp_path / "p.yaml"
+    path.write_text(data["yaml"])
+    assert Policy.from_yaml(str(path)).l2[0].base_path == str(tmp_path)
+    unknown = invoke(cli, "policy", "init", "--preset", "nope", "--json")
+    assert unknown.exit_code == 2 and "Traceback" not in unknown.output and "not a shipped preset" in unknown.output
+
+
 def test_validate_exit_codes_and_json(cli: typer.Typer, tmp_path: Path) -> None:
     good = tmp_path / "good.yaml"
     good.write_text(f"chunk_size: 64\nl2:\n  - type: fs\n    base_path: {tmp_path}\n")

@@ -709,6 +709,24 @@ def test_cli_against_store(cli: Any, tmp_path: Path, model: Path) -> None:
     assert empty.exit_code == 1 and "no manifests" in empty.stdout
 
 
+def test_cli_against_store_hints_at_engine_options_left_at_their_defaults(cli: Any, tmp_path: Path,
+                                                                          model: Path) -> None:
+    store = str(tmp_path / "store")
+    write_manifest(store, compute_fingerprint(model, SETTINGS))  # kv_layout vllm/fused-kv, block_size 16
+    result = _run(cli, str(model), "--against", store)
+    assert result.exit_code == 1
+    assert "engine KV layout differs: unknown vs vllm/fused-kv" in result.stdout
+    assert "hint:" in result.stdout and "rerun with --kv-layout vllm/fused-kv --block-size 16" in result.stdout
+    same = _run(cli, str(model), "--against", store, "--kv-layout", "vllm/fused-kv", "--block-size", "16")
+    assert same.exit_code == 0 and "hint:" not in same.stdout
+    # an option the user passed is a real difference: no hint
+    chosen = _run(cli, str(model), "--against", store, "--kv-layout", "vllm/fused-kv", "--block-size", "8")
+    assert chosen.exit_code == 1 and "engine.block_size: 8 vs 16" in chosen.stdout and "hint:" not in chosen.stdout
+    # nor when something else than engine options differs
+    other = make_model(tmp_path / "other", value=2.0)
+    assert "hint:" not in _run(cli, str(other), "--against", store).stdout
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [

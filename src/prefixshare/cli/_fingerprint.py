@@ -40,10 +40,18 @@ def register(app: typer.Typer) -> None:
 
 @handles_errors
 def fingerprint(
+    ctx: typer.Context,
     model_dir: Path = typer.Argument(..., help="Hugging Face style model directory (config.json, weights...)."),
     engine: str = typer.Option("vllm", "--engine", help='Engine: "vllm", "sglang" or another name.'),
     engine_version: str | None = typer.Option(None, "--engine-version", help="Engine version."),
-    kv_layout: str = typer.Option("unknown", "--kv-layout", help="Canonical KV byte layout of the engine."),
+    kv_layout: str = typer.Option(
+        "unknown",
+        "--kv-layout",
+        help="KV byte layout label, as the engine adapters record it: vllm-MAJOR.MINOR/DEVICE/LAYOUT (LAYOUT is "
+        'vLLM\'s KV cache layout, NHD or HND, or "default" when vLLM reports none; e.g. vllm-0.32/cpu/default) or '
+        'sglang-MAJOR.MINOR/DEVICE/paged (e.g. sglang-0.5/cuda/paged). "unknown" matches only "unknown": '
+        "pass the label of the engine that wrote a store to compare --against its manifests.",
+    ),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help='KV cache dtype; "auto" = the model dtype.'),
     block_size: int | None = typer.Option(None, "--block-size", help="Engine KV block size (tokens)."),
     chunk_size: int = typer.Option(256, "--chunk-size", help="LMCache chunk size (tokens)."),
@@ -117,6 +125,9 @@ def fingerprint(
         )
     else:
         _print_comparisons(fp, against, comparisons, corrupt)
+        hint = None if identical or kind == "model" else _settings_hint(comparisons, _given_options(ctx))
+        if hint:
+            out.print(f"[yellow]hint:[/] {escape(hint)}")
     raise typer.Exit(EXIT_OK if identical else EXIT_CHECK_FAILED)
 
 
@@ -198,6 +209,51 @@ def _load_fingerprint_file(path: Path) -> tuple[Fingerprint, str]:
         return Fingerprint.model_validate(data), str(path)
     except ValidationError as exc:
         raise FingerprintError(f"--against {path}: not a fingerprint or manifest: {exc}") from None
+
+
+#: fingerprint fields set by this command's engine options: field -> (parameter name, option)
+_ENGINE_OPTIONS = {
+    "engine.engine": ("engine", "--engine"),
+    "engine.engine_version": ("engine_version", "--engine-version"),
+    "engine.kv_layout": ("kv_layout", "--kv-layout"),
+    "engine.kv_dtype": ("kv_dtype", "--kv-dtype"),
+    "engine.block_size": ("block_size", "--block-size"),
+    "engine.chunk_size": ("chunk_size", "--chunk-size"),
+    "engine.tp": ("tp", "--tp"),
+    "engine.pp": ("pp", "--pp"),
+    "tenant": ("tenant", "--tenant"),
+}
+
+
+def _given_options(ctx: typer.Context) -> set[str]:
+    """Names of the parameters the user set (on the command line), as opposed to left at their defaults."""
+    given = set()
+    for name in ctx.params:
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name != "DEFAULT":
+            given.add(name)
+    return given
+
+
+def _settings_hint(comparisons: list[tuple[str, str, list[Difference]]], given: set[str]) -> str | None:
+    """One line naming the options to pass when, against a manifest (closest first), only engine settings the
+    user left at their defaults differ: this command computes the local fingerprint from its own options; unlike
+    ``doctor --model``, it does not take each manifest's engine settings."""
+    import shlex
+
+    for label, _, diffs in comparisons:
+        fields = {d.field for d in diffs}
+        # a manifest with a declared layout blanks engine name and version: they differ only while ours is unknown
+        moot = {"engine.engine", "engine.engine_version"} if "engine.kv_layout" in fields else set()
+        relevant = [d for d in diffs if not (d.field in moot and d.b is None)]
+        if not relevant or any(d.field not in _ENGINE_OPTIONS or _ENGINE_OPTIONS[d.field][0] in given
+                               for d in relevant):
+            continue
+        flags = " ".join(f"{_ENGINE_OPTIONS[d.field][1]} {shlex.quote(str(d.b))}" for d in relevant if d.b is not None)
+        if flags:
+            return (f"only engine settings you did not pass differ from {label}; to compare like with like, "
+                    f"rerun with {flags}")
+    return None
 
 
 def _manifest_label(manifest: Manifest) -> str:
