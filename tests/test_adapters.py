@@ -343,3 +343,22 @@ def test_sglang_args_cli(cli: typer.Typer, tmp_path: Path) -> None:
     assert data["argv"][:3] == ["python", "-m", "sglang.launch_server"]
     assert "--radix-cache-backend" in data["argv"] and "--enable-lmcache" in data["argv"]
     assert json.loads(data["env"]["PREFIXSHARE_SGLANG"])["prefixshare.policy_file"] == str(path.resolve())
+
+
+def test_sglang_remembers_which_chunk_prefixes_it_sent() -> None:
+    """SGLang re-sends a prefix its own radix tree held; the backend skips chunks it sent (or found) before."""
+    from prefixshare.adapters.sglang._plugin import SubmittedChunks
+
+    sent = SubmittedChunks(chunk_size=4, limit=6)
+    ids = list(range(10))
+    keys = sent.digests(ids, "")
+    assert len(keys) == 2 and keys == sent.digests(ids[:9], "")  # full chunks only, deterministic
+    assert sent.digests([9, *ids[1:]], "")[1] != keys[1]  # each key covers every token before it
+    assert sent.digests(ids, "t-acme")[0] != keys[0]  # salts never share
+    assert sent.known(keys) == 0
+    sent.add(keys[:1])
+    assert sent.known(keys) == 1 and sent.known(sent.digests(ids, "t-acme")) == 0
+    sent.add(keys)
+    assert sent.known(keys) == 2
+    sent.add(sent.digests(list(range(100, 120)), ""))  # 5 more: the limit keeps the 6 most recent
+    assert sent.known(keys) == 0  # the first chunk was forgotten: the prefix is sent again (never wrongly skipped)

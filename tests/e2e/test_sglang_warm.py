@@ -147,6 +147,9 @@ def test_a_fresh_sglang_replica_loads_every_warmed_document_and_answers_like_a_c
         # the first question on a document: its whole stored prefix comes from the store, not this replica
         assert answer["storage_tokens"] >= warmed[name]["chunks"] * CHUNK, (name, answer)
     assert replica["stats"]["tokens_loaded"] >= sum(d["chunks"] * CHUNK for d in warmed.values())
+    # nothing is sent to the store twice: later questions find the prefix in the replica's own radix tree, and
+    # the only new KV is the foreign tenant's copy of the first document (its own salt)
+    assert replica["stats"]["tokens_stored"] == warmed["alpha.md"]["chunks"] * CHUNK, replica["stats"]
     for answer, ref in zip(replica["answers"], cold, strict=True):
         assert same_output(answer, ref), (answer["doc"], answer["question"])
 

@@ -46,6 +46,53 @@ class _ModelConfigView:
         return getattr(self._inner, name)
 
 
+class SubmittedChunks:
+    """Chunk prefixes this engine already sent to the store, keyed by (salt, digest of the tokens up to the chunk's
+    end); a bounded LRU.
+
+    SGLang re-sends a request's whole prefix when its own radix tree held it (no lookup ran, so LMCache does not
+    know the store has it): every question on a warm document would copy the document's KV to the server again
+    and count it as stored again (bytes, byte budgets). The vLLM connector skips the same case ("local").
+    """
+
+    def __init__(self, chunk_size: int, limit: int = 1 << 16) -> None:
+        from collections import OrderedDict
+
+        self.chunk_size = chunk_size
+        self.limit = limit
+        self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+
+    def digests(self, token_ids: Any, salt: str) -> list[tuple[str, bytes]]:
+        """One key per full chunk: a rolling blake3 over the token ids (each key covers every token before it)."""
+        import blake3
+
+        from prefixshare.adapters._runtime import token_bytes
+
+        keys = []
+        digest = b""
+        for end in range(self.chunk_size, len(token_ids) + 1, self.chunk_size):
+            digest = blake3.blake3(digest + token_bytes(token_ids[end - self.chunk_size:end])).digest()[:16]
+            keys.append((salt, digest))
+        return keys
+
+    def known(self, keys: list[tuple[str, bytes]]) -> int:
+        """How many leading chunks were sent already."""
+        n = 0
+        for key in keys:
+            if key not in self._seen:
+                break
+            self._seen.move_to_end(key)
+            n += 1
+        return n
+
+    def add(self, keys: list[tuple[str, bytes]]) -> None:
+        for key in keys:
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+        while len(self._seen) > self.limit:
+            self._seen.popitem(last=False)
+
+
 def engine_settings(server_args: Any) -> Any:
     import sglang
 
@@ -96,6 +143,7 @@ def build_tree_cache(ctx: Any) -> Any:
     #: the MP server's request port (a dead server refuses at once; LMCache notices only at its next heartbeat,
     #: and until then a lookup waits out the load timeout and a store RPC blocks the scheduler)
     mp_port = PortCheck((runtime.policy.server.host, runtime.policy.server.port))
+    submitted = SubmittedChunks(runtime.policy.chunk_size)
 
     def _store_reachable() -> bool:
         if not runtime.store_available():
@@ -233,8 +281,44 @@ def build_tree_cache(ctx: Any) -> Any:
                 token_ids = token_ids[:limit]  # a slice keeps SGLang's key type (array('q') in 0.5.23)
                 if not token_ids:
                     return None
-            info.stored_tokens = max(info.stored_tokens, len(token_ids) - len(token_ids) % runtime.policy.chunk_size)
-            return super()._submit_store(req, token_ids)
+            connector = self.lmcache_connector
+            keys = submitted.digests(token_ids, connector.build_cache_salt(req.cache_salt, req.extra_key))
+            sent = connector._store_submitted_tokens  # LMCache's per-request "already in the store" mark
+            chunk = runtime.policy.chunk_size
+            if req.rid not in self._storing and sent.get(req.rid, 0):
+                submitted.add(keys[: sent[req.rid] // chunk])  # this request's lookup found them in the store
+            self._storing.add(req.rid)
+            known = submitted.known(keys) * chunk
+            if known > sent.get(req.rid, 0):
+                sent[req.rid] = known  # sent before (by this engine, for an earlier request): not again
+            start = sent.get(req.rid, 0)
+            result = super()._submit_store(req, token_ids)
+            end = sent.get(req.rid, 0)
+            if end > start:
+                # remembered once the store succeeds (see _track_completions); counted as stored now
+                pending = self._pending_keys
+                pending[(req.rid, end)] = keys[: end // runtime.policy.chunk_size]
+                while len(pending) > 4096:  # operations never completed (aborted requests): forget the oldest
+                    pending.pop(next(iter(pending)))
+                info.stored_tokens += end - start
+            return result
+
+        def _track_completions(self) -> None:
+            """Remember a store's chunks when LMCache reports it done (a failed one is sent again next time)."""
+            self._pending_keys: dict[tuple[str, int], list[tuple[str, bytes]]] = {}
+            self._storing: set[str] = set()  # requests that submitted a store (their mark is no lookup's)
+            connector = self.lmcache_connector
+            complete = connector.complete_store
+            pending = self._pending_keys
+
+            def complete_store(operation: Any, *args: Any, **kwargs: Any) -> bool:
+                ok = complete(operation, *args, **kwargs)
+                keys = pending.pop((operation.request_id, operation.end), None)
+                if ok and keys:
+                    submitted.add(keys)
+                return ok
+
+            connector.complete_store = complete_store
 
         def on_release(self, req: Any, *, checkpointed: bool) -> None:
             super().on_release(req, checkpointed=checkpointed)
@@ -243,9 +327,11 @@ def build_tree_cache(ctx: Any) -> Any:
                 _timing.pop(req.rid, None)
                 if runtime.cost is not None:
                     runtime.cost.forget(req.rid)
+            if req.finished():
+                self._storing.discard(req.rid)
             if info is not None and req.finished():
                 runtime.load_done(req.rid)
-                runtime.finish(req.rid, max(0, info.stored_tokens - info.loaded_tokens))
+                runtime.finish(req.rid, info.stored_tokens)
 
     components = [ComponentType.FULL]
     if ctx.is_hybrid_swa:
@@ -253,7 +339,7 @@ def build_tree_cache(ctx: Any) -> Any:
     if ctx.is_hybrid_ssm:
         components.append(ComponentType.MAMBA)
     ctx.params.tree_components = tuple(components)
-    return PrefixShareRadixCache(
+    cache = PrefixShareRadixCache(
         ctx.params,
         model_config=_ModelConfigView(ctx.model_config, runtime.namespace),
         tp_size=ctx.tp_size,
@@ -261,3 +347,5 @@ def build_tree_cache(ctx: Any) -> Any:
         lmcache_config_file=memory.lmcache_config_file,
         forward_stream=ctx.tp_worker.model_runner.forward_stream,
     )
+    cache._track_completions()
+    return cache
