@@ -58,6 +58,20 @@ def trailer(name: str, payload: bytes | bytearray | memoryview) -> bytes:
     return _HEAD.pack(MAGIC, VERSION, ALGORITHM_BLAKE3, 0, n) + digest(name, payload)
 
 
+def _trailer_state(head: bytes, payload_bytes: int) -> Literal["ok", "absent", "bad"]:
+    """What the trailer header at a file's end says for a payload of ``payload_bytes``: ours and consistent
+    (``ok``), not a trailer at all (``absent``: no magic), or ours but unusable (``bad``: another version or
+    algorithm, or a length that does not match the file)."""
+    if len(head) < _HEAD.size:
+        return "absent"
+    magic, version, algorithm, _reserved, length = _HEAD.unpack(head[: _HEAD.size])
+    if magic != MAGIC:
+        return "absent"
+    if version != VERSION or algorithm != ALGORITHM_BLAKE3 or length != payload_bytes:
+        return "bad"
+    return "ok"
+
+
 def check(name: str, payload: bytes | bytearray | memoryview, tail: bytes, file_size: int) -> Verdict:
     """Verdict on a chunk whose first ``len(payload)`` bytes were read into ``payload`` and whose last
     ``TRAILER_BYTES`` are ``tail`` (``file_size`` is the file's size on disk)."""
@@ -66,10 +80,7 @@ def check(name: str, payload: bytes | bytearray | memoryview, tail: bytes, file_
         return "unverified"  # exactly the payload: written without integrity data (a plain LMCache fs tier)
     if file_size < n + TRAILER_BYTES or len(tail) != TRAILER_BYTES:
         return "truncated"
-    if file_size != n + TRAILER_BYTES:
-        return "bad-trailer"
-    magic, version, algorithm, _reserved, length = _HEAD.unpack(tail[: _HEAD.size])
-    if magic != MAGIC or version != VERSION or algorithm != ALGORITHM_BLAKE3 or length != n:
+    if file_size != n + TRAILER_BYTES or _trailer_state(tail, n) != "ok":
         return "bad-trailer"
     return "ok" if digest(name, payload) == tail[_HEAD.size :] else "digest-mismatch"
 
@@ -90,11 +101,12 @@ def verify_file(path: Path) -> FileVerdict:
                 return FileVerdict(path, "truncated", None)
             f.seek(size - TRAILER_BYTES)
             tail = f.read(TRAILER_BYTES)
-            magic, version, algorithm, _reserved, length = _HEAD.unpack(tail[: _HEAD.size])
-            if magic != MAGIC:
+            length = size - TRAILER_BYTES
+            state = _trailer_state(tail, length)
+            if state == "absent":
                 # no trailer: either a plain LMCache chunk or one whose end was cut off
                 return FileVerdict(path, "unverified", None)
-            if version != VERSION or algorithm != ALGORITHM_BLAKE3 or length != size - TRAILER_BYTES:
+            if state == "bad":
                 return FileVerdict(path, "bad-trailer", None)
             f.seek(0)
             payload = f.read(length)
@@ -117,8 +129,4 @@ def payload_size(path: Path, file_size: int | None = None) -> int:
             head = f.read(_HEAD.size)
     except OSError:
         return size
-    if len(head) == _HEAD.size:
-        magic, _v, _a, _r, length = _HEAD.unpack(head)
-        if magic == MAGIC and length == size - TRAILER_BYTES:
-            return length
-    return size
+    return size - TRAILER_BYTES if _trailer_state(head, size - TRAILER_BYTES) == "ok" else size
