@@ -114,6 +114,62 @@ def test_sglang_admission_and_tenants(
         assert len(list(store.glob(f"{namespace}@*@t-{tenant}.data"))) == 600 // CHUNK
 
 
+def test_sglang_http_server_replica_is_covered_too(
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], server: LMCacheServer,
+    replica_a: dict[str, Any], cold: dict[str, Any],
+) -> None:
+    """A replica behind SGLang's HTTP server, started with the command and environment `prefixshare sglang-args`
+    prints; a /generate request carries the document id in its rid, as request_kwargs builds it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import yaml
+
+    from conftest import TESTS, free_port
+    from prefixshare.adapters.sglang import request_kwargs, serve_args
+
+    policy_file = work / "sgl-serve-policy.yaml"
+    policy_file.write_text(yaml.safe_dump(server.policy.to_dict()))
+    argv, env = serve_args(server.policy, str(models["main"]), policy_file=str(policy_file), instance="sgl-http")
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    port = free_port()
+    argv = [sys.executable, *argv[1:], "--host", "127.0.0.1", "--port", str(port),
+            # SGLang's CPU engine (tests/helpers/sglang_replica.py runs it with the same settings)
+            "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--page-size", "16",
+            "--dtype", "float32", "--mem-fraction-static", "0.3", "--max-total-tokens", "16384", "--random-seed", "0"]
+    shims = os.pathsep.join(filter(None, [str(TESTS / "shims"), os.environ.get("PYTHONPATH")]))
+    log = open(work / "sgl-http-server.log", "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **env, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": shims})
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (work / "sgl-http-server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        body = {"input_ids": prompts["doc"], "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
+                **request_kwargs(document_id="manual-http")}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+        log.close()
+    meta = answer["meta_info"]
+    assert int((meta.get("cached_tokens_details") or {}).get("storage") or 0) >= 0.9 * DOC_TOKENS, meta
+    result = {"token_ids": answer["output_ids"], "logprobs": [x[0] for x in meta["output_token_logprobs"]]}
+    assert same_output(result, cold["doc"])
+
+
 @pytest.mark.parametrize(("variant", "field"), [("other_tok", "tokenizer"), ("other_weights", "weights")])
 def test_incompatible_sglang_replicas_load_nothing_and_say_why(
     work: Path, models: dict[str, Path], prompts: dict[str, list[int]], server: LMCacheServer,
