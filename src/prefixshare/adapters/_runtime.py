@@ -124,6 +124,15 @@ def namespace(fp: Fingerprint) -> str:
     return f"prefixshare-{fp.digest[:20]}"
 
 
+def engine_fingerprint(policy: Policy, model_dir: str, settings: EngineSettings, *,
+                       tokenizer_dir: str | None = None) -> Fingerprint:
+    """The fingerprint an engine with these settings namespaces the store with: the one place the connectors
+    and ``warm`` compute it, so a warm checks exactly the objects the engine's replicas will look up."""
+    settings = settings.model_copy(update={"chunk_size": policy.chunk_size, "tenant": policy.tenant})
+    return compute_fingerprint(model_dir, settings, weights=policy.fingerprint.weights,
+                               revision=policy.fingerprint.revision, tokenizer_dir=tokenizer_dir)
+
+
 def manifest_url(policy: Policy) -> str | None:
     """Where manifests live: ``fingerprint.manifests``, else beside the first directory tier (None: nowhere)."""
     if policy.fingerprint.manifests:
@@ -240,14 +249,7 @@ class ConnectorRuntime:
         self.role = role
         self.engine = settings.engine
         self.instance = str(extra.get(KEY_INSTANCE) or f"{settings.engine}-{os.getpid()}")
-        settings = settings.model_copy(update={"chunk_size": self.policy.chunk_size, "tenant": self.policy.tenant})
-        self.fingerprint = compute_fingerprint(
-            model_dir,
-            settings,
-            weights=self.policy.fingerprint.weights,
-            revision=self.policy.fingerprint.revision,
-            tokenizer_dir=tokenizer_dir,
-        )
+        self.fingerprint = engine_fingerprint(self.policy, model_dir, settings, tokenizer_dir=tokenizer_dir)
         expected = extra.get(KEY_EXPECT)
         if expected and expected != self.fingerprint.digest:
             from prefixshare.errors import IncompatibleError

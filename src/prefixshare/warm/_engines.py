@@ -92,15 +92,12 @@ class VllmEngine:
     def fingerprint(self) -> Fingerprint:
         """The fingerprint the engine's connector namespaces the store with (computed the same way)."""
         if self._fp is None:
+            from prefixshare.adapters._runtime import engine_fingerprint
             from prefixshare.adapters.vllm._settings import engine_settings, model_dirs
-            from prefixshare.fingerprint import compute_fingerprint
 
-            policy = self.ps.policy
             model_dir, tok_dir = model_dirs(self.vllm_config)
-            settings = engine_settings(self.vllm_config).model_copy(
-                update={"chunk_size": policy.chunk_size, "tenant": policy.tenant})
-            self._fp = compute_fingerprint(model_dir, settings, weights=policy.fingerprint.weights,
-                                           revision=policy.fingerprint.revision, tokenizer_dir=tok_dir)
+            self._fp = engine_fingerprint(self.ps.policy, model_dir, engine_settings(self.vllm_config),
+                                          tokenizer_dir=tok_dir)
             _check_published(self.ps, self._fp)
         return self._fp
 
@@ -188,16 +185,12 @@ class SglangEngine:
     def fingerprint(self) -> Fingerprint:
         """The fingerprint the engine's radix-cache backend namespaces the store with (computed the same way)."""
         if self._fp is None:
-            from prefixshare.adapters.sglang._plugin import engine_settings
-            from prefixshare.fingerprint import compute_fingerprint
+            from prefixshare.adapters._runtime import engine_fingerprint
+            from prefixshare.adapters.sglang._plugin import engine_settings, tokenizer_dir
 
-            policy = self.ps.policy
             sa = self.server_args
-            tok = getattr(sa, "tokenizer_path", None)
-            settings = engine_settings(sa).model_copy(update={"chunk_size": policy.chunk_size, "tenant": policy.tenant})
-            self._fp = compute_fingerprint(sa.model_path, settings, weights=policy.fingerprint.weights,
-                                           revision=policy.fingerprint.revision,
-                                           tokenizer_dir=tok if tok and tok != sa.model_path else None)
+            self._fp = engine_fingerprint(self.ps.policy, sa.model_path, engine_settings(sa),
+                                          tokenizer_dir=tokenizer_dir(sa))
             _check_published(self.ps, self._fp)
         return self._fp
 

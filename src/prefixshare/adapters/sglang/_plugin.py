@@ -116,6 +116,12 @@ def engine_settings(server_args: Any) -> Any:
     )
 
 
+def tokenizer_dir(server_args: Any) -> str | None:
+    """The tokenizer directory when it is not the model's own (what the fingerprint digests separately)."""
+    tok = getattr(server_args, "tokenizer_path", None)
+    return tok if tok and tok != server_args.model_path else None
+
+
 def build_tree_cache(ctx: Any) -> Any:
     """Radix-cache factory (SGLang's registry calls it in the scheduler process)."""
     from sglang.srt.mem_cache.storage.lmcache.lmcache_unified_radix_cache import LMCacheUnifiedRadixCache
@@ -132,11 +138,8 @@ def build_tree_cache(ctx: Any) -> Any:
                            "the flags `prefixshare sglang-args` prints)")
     extra = json.loads(os.environ.get(ENV_CONFIG, "{}"))
     sa = ctx.server_args
-    tokenizer = getattr(sa, "tokenizer_path", None)
-    runtime = ConnectorRuntime(
-        extra, model_dir=sa.model_path, tokenizer_dir=tokenizer if tokenizer and tokenizer != sa.model_path else None,
-        settings=engine_settings(sa), role="scheduler",
-    )
+    runtime = ConnectorRuntime(extra, model_dir=sa.model_path, tokenizer_dir=tokenizer_dir(sa),
+                               settings=engine_settings(sa), role="scheduler")
 
     #: per request: when it became ready to compute, how far it is computed, when its load began (cost model)
     _timing: dict[str, dict[str, Any]] = {}
