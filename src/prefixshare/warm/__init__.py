@@ -13,6 +13,10 @@
         llm.generate([p.engine_input()], vllm.SamplingParams(max_tokens=64,
                      extra_args={"kv_transfer_params": p.kv_transfer_params}))
 
+SGLang alike: ``engine = ps.attach({"model_path": ...}, engine_type="sglang")``, ``warm(ps, docs, engine, ...)``,
+then ``engine.generate(**p.sglang_kwargs(), sampling_params={...})``. Each engine warms its own replicas: their
+KV layouts differ, so each engine's KV lives under its own fingerprint.
+
 Layout: :mod:`._documents` (what to warm), :mod:`._template` (where documents sit in prompts),
 :mod:`._chunks` (the store's chunk keys and files), :mod:`._registry` (which documents are warm),
 :mod:`._engines` (the engine seam), :mod:`._warm` (warm and prompt_for).
