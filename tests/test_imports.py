@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 HEAVY = ("torch", "vllm", "sglang", "lmcache", "transformers", "numpy")
 
@@ -54,34 +55,41 @@ def _layer(module: str) -> int | None:
     return None
 
 
-def test_imports_flow_one_way() -> None:
+def _module_level_imports() -> Iterator[tuple[str, list[str]]]:
+    """Every prefixshare module with what it imports at module level (imports inside functions are lazy: not
+    listed). ``from a import b`` lists ``a`` and ``a.b`` (b may be a module)."""
     import ast
     from pathlib import Path
 
     import prefixshare
 
     root = Path(prefixshare.__file__).parent
-    violations = []
     for path in root.rglob("*.py"):
         module = "prefixshare." + ".".join(path.relative_to(root).with_suffix("").parts)
-        own = _layer(module)
-        if own is None:
-            continue
         tree = ast.parse(path.read_text())
         lazy = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
                 for n in ast.walk(f)}
+        names: list[str] = []
         for node in ast.walk(tree):
             if id(node) in lazy:
                 continue
-            targets = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module]
+                names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            for target in targets:
-                layer = _layer(target)
-                if layer is not None and layer > own:
-                    violations.append(f"{module} imports {target}")
+                names += [a.name for a in node.names]
+        yield module, names
+
+
+def test_imports_flow_one_way() -> None:
+    violations = []
+    for module, names in _module_level_imports():
+        own = _layer(module)
+        if own is None:
+            continue
+        for target in names:
+            layer = _layer(target)
+            if layer is not None and layer > own:
+                violations.append(f"{module} imports {target}")
     assert not violations, violations
 
 
@@ -92,26 +100,6 @@ SERVER_ONLY = {"prefixshare.tiers._mooncake_adapter", "prefixshare.tiers._fs_ada
 
 
 def test_server_only_adapter_modules_are_never_imported_by_prefixshare() -> None:
-    import ast
-    from pathlib import Path
-
-    import prefixshare
-
-    root = Path(prefixshare.__file__).parent
-    offenders = []
-    for path in root.rglob("*.py"):
-        module = "prefixshare." + ".".join(path.relative_to(root).with_suffix("").parts)
-        tree = ast.parse(path.read_text())
-        lazy = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
-                for n in ast.walk(f)}
-        for node in ast.walk(tree):
-            if id(node) in lazy:
-                continue
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            if module not in SERVER_ONLY and SERVER_ONLY & set(names):
-                offenders.append(module)
+    offenders = [module for module, names in _module_level_imports()
+                 if module not in SERVER_ONLY and SERVER_ONLY & set(names)]
     assert not offenders, offenders

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,26 +23,97 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SCRIPTS = {"vllm": TESTS / "helpers" / "vllm_replica.py", "sglang": TESTS / "helpers" / "sglang_replica.py"}
 
 
+#: the test-only sgl_kernel stand-in (see tests/shims/sgl_kernel) first on the path: SGLang's CPU engine needs it
+SHIM_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS / "shims"), os.environ.get("PYTHONPATH")]))}
+
+
+def run_helper(tmp: Path, name: str, script: Path, spec: dict[str, Any], *, env: dict[str, str] | None = None,
+               timeout: float = 600) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """Run a tests/helpers script on a JSON spec in a fresh process; returns its ``RESULT`` line and the process
+    (its stderr is kept as ``<name>.stderr``)."""
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    (tmp / f"{name}.stderr").write_text(proc.stderr)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, f"{name} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(line[len("RESULT "):]), proc
+
+
 def run_replica(tmp: Path, name: str, model: Path, policy: Policy | None, requests: list[dict[str, Any]],
                 *, engine_type: str = "vllm", timeout: float = 600, **extra: Any) -> dict[str, Any]:
     """Run one replica in a fresh process; returns its results, stats and structured log events."""
     spec = {"model": str(model), "policy": policy.to_dict() if policy else None, "instance": f"{name}-{os.getpid()}",
             "requests": requests, **extra}
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    env = {**os.environ, "PREFIXSHARE_LOG_JSON": "1", "PREFIXSHARE_LOG_LEVEL": "INFO"}
+    env = {"PREFIXSHARE_LOG_JSON": "1", "PREFIXSHARE_LOG_LEVEL": "INFO"}
     if engine_type == "sglang" and extra.get("engine", {}).get("device", "cpu") == "cpu":
-        # the test-only sgl_kernel stand-in (see tests/shims/sgl_kernel); a GPU run uses the real kernels
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS / "shims"), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(SCRIPTS[engine_type]), str(path)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    (tmp / f"{name}.stderr").write_text(proc.stderr)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, f"replica {name} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(line[len("RESULT "):])
+        env.update(SHIM_ENV)  # a GPU run uses the real kernels
+    result, proc = run_helper(tmp, name, SCRIPTS[engine_type], spec, env=env, timeout=timeout)
     (tmp / f"{name}.result.json").write_text(json.dumps(result, indent=1))
     result["events"] = parse_events(proc.stderr + proc.stdout)
     return result
+
+
+def write_documents(folder: Path, sizes: dict[str, int], first_seed: int = 20) -> Path:
+    """One generated text file per ``{name: tokens}``, seeds counting up from ``first_seed``."""
+    from prefixshare.model import document_text
+
+    folder.mkdir()
+    for i, (name, n) in enumerate(sizes.items()):
+        (folder / name).write_text(document_text(n, seed=first_seed + i))
+    return folder
+
+
+def write_policy_file(path: Path, policy: Policy) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(policy.to_dict()))
+    return path
+
+
+def cli_json(work: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the installed ``prefixshare`` command with ``--json``; returns what it printed (stdout holds only the
+    JSON document: engine logs go to stderr, kept as ``<name>.stderr``)."""
+    exe = Path(sys.executable).parent / "prefixshare"
+    proc = subprocess.run([str(exe), *args, "--json"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+    (work / f"{name}.stderr").write_text(proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@contextlib.contextmanager
+def http_server(argv: list[str], env: dict[str, str], log_path: Path, port: int) -> Iterator[str]:
+    """An engine's HTTP server in its own session: yields its base URL once /health answers; stopped after."""
+    import urllib.request
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while True:
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, f"no answer on {url}/health: " + log_path.read_text()[-3000:]
+                try:
+                    urllib.request.urlopen(f"{url}/health", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(1)
+            yield url
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 15)
+            proc.wait(timeout=60)
+
+
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
 
 
 def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:

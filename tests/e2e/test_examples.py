@@ -5,20 +5,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from e2e.common import SHIM_ENV
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _module_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    patch = pytest.MonkeyPatch()
-    patch.setenv("PREFIXSHARE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ps-cache"))
-    yield
-    patch.undo()
+pytestmark = pytest.mark.usefixtures("module_cache_dir")
 
 
 def run_example(name: str, *args: str, env: dict[str, str] | None = None) -> str:
@@ -54,9 +50,7 @@ def test_attach_in_application_code() -> None:
 @pytest.mark.engine
 @pytest.mark.server
 def test_attach_sglang_in_application_code() -> None:
-    # SGLang's CPU engine needs sgl_kernel: the test-only stand-in (tests/shims) plays it here
-    shims = str(Path(__file__).resolve().parents[1] / "shims")
-    out = run_example("attach_sglang.py", env={"PYTHONPATH": os.pathsep.join(filter(None, [shims, os.environ.get("PYTHONPATH")]))})
+    out = run_example("attach_sglang.py", env=SHIM_ENV)  # SGLang's CPU engine needs the sgl_kernel stand-in
     assert "warm: 1 warmed" in out and "stored" in out
     # each question's prompt starts with the warmed manual: its whole stored prefix is cached
     cached = [int(line.split("prompt tokens,")[1].split("cached")[0]) for line in out.splitlines() if "cached" in line]

@@ -16,7 +16,19 @@ from typing import Any
 
 import pytest
 
-from e2e.common import CHUNK, corrupt_copy, document_ids, hf_greedy, policy_for, run_replica, same_output
+from e2e.common import (
+    CHUNK,
+    SHIM_ENV,
+    corrupt_copy,
+    document_ids,
+    hf_greedy,
+    http_server,
+    policy_for,
+    post_json,
+    run_replica,
+    same_output,
+    write_policy_file,
+)
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
@@ -120,20 +132,12 @@ def test_sglang_http_server_replica_is_covered_too(
 ) -> None:
     """A replica behind SGLang's HTTP server, started with the command and environment `prefixshare sglang-args`
     prints; a /generate request carries the document id in its rid, as request_kwargs builds it."""
-    import json
-    import os
-    import subprocess
     import sys
-    import time
-    import urllib.request
 
-    import yaml
-
-    from conftest import TESTS, free_port
+    from conftest import free_port
     from prefixshare.adapters.sglang import request_kwargs, serve_args
 
-    policy_file = work / "sgl-serve-policy.yaml"
-    policy_file.write_text(yaml.safe_dump(server.policy.to_dict()))
+    policy_file = write_policy_file(work / "sgl-serve-policy.yaml", server.policy)
     argv, env = serve_args(server.policy, str(models["main"]), policy_file=str(policy_file), instance="sgl-http")
     assert argv[:3] == ["python", "-m", "sglang.launch_server"]
     port = free_port()
@@ -141,29 +145,12 @@ def test_sglang_http_server_replica_is_covered_too(
             # SGLang's CPU engine (tests/helpers/sglang_replica.py runs it with the same settings)
             "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--page-size", "16",
             "--dtype", "float32", "--mem-fraction-static", "0.3", "--max-total-tokens", "16384", "--random-seed", "0"]
-    shims = os.pathsep.join(filter(None, [str(TESTS / "shims"), os.environ.get("PYTHONPATH")]))
-    log = open(work / "sgl-http-server.log", "w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **env, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": shims})
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (work / "sgl-http-server.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        body = {"input_ids": prompts["doc"], "return_logprob": True,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
-                **request_kwargs(document_id="manual-http")}
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=60)
-        log.close()
+    with http_server(argv, {**env, "SGLANG_USE_CPU_ENGINE": "1", **SHIM_ENV}, work / "sgl-http-server.log",
+                     port) as url:
+        answer = post_json(f"{url}/generate", {
+            "input_ids": prompts["doc"], "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
+            **request_kwargs(document_id="manual-http")})
     meta = answer["meta_info"]
     assert int((meta.get("cached_tokens_details") or {}).get("storage") or 0) >= 0.9 * DOC_TOKENS, meta
     result = {"token_ids": answer["output_ids"], "logprobs": [x[0] for x in meta["output_token_logprobs"]]}

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,24 +19,24 @@ from typing import Any
 import pytest
 
 from conftest import TESTS
-from e2e.common import CHUNK, policy_for, run_replica, same_output
+from e2e.common import (
+    CHUNK,
+    SHIM_ENV,
+    cli_json,
+    policy_for,
+    run_helper,
+    run_replica,
+    same_output,
+    write_documents,
+    write_policy_file,
+)
 from prefixshare.server import LMCacheServer
 
-pytestmark = [pytest.mark.engine, pytest.mark.server]
+pytestmark = [pytest.mark.engine, pytest.mark.server, pytest.mark.usefixtures("module_cache_dir")]
 
 SYSTEM = "Answer from the document."
 QUESTIONS = ["What is the harbor called?", "Who builds the bridge?"]
 DOC_TOKENS = {"alpha.md": 300, "beta.md": 600, "gamma.md": 900}
-SHIM_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS / "shims"), os.environ.get("PYTHONPATH")]))}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _module_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """conftest isolates the cache dir per test; module fixtures (server, replicas) run before that."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv("PREFIXSHARE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ps-cache"))
-    yield
-    patch.undo()
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +48,7 @@ def model(work: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def docs(work: Path) -> Path:
-    from prefixshare.model import document_text
-
-    folder = work / "docs"
-    folder.mkdir()
-    for i, (name, n) in enumerate(DOC_TOKENS.items()):
-        (folder / name).write_text(document_text(n, seed=20 + i))
-    return folder
+    return write_documents(work / "docs", DOC_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -67,22 +59,14 @@ def server(work: Path) -> Iterator[LMCacheServer]:
 
 @pytest.fixture(scope="module")
 def policy_file(work: Path, server: LMCacheServer) -> Path:
-    import yaml
-
-    path = work / "policy.yaml"
-    path.write_text(yaml.safe_dump(server.policy.to_dict()))
-    return path
+    return write_policy_file(work / "policy.yaml", server.policy)
 
 
 @pytest.fixture(scope="module")
 def cli_warm(work: Path, model: Path, docs: Path, policy_file: Path) -> dict[str, Any]:
-    exe = Path(sys.executable).parent / "prefixshare"
-    argv = [str(exe), "warm", str(docs), "--engine", "sglang", "--policy", str(policy_file), "--model", str(model),
-            "--system", SYSTEM, "--max-model-len", "2048", "--json"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, **SHIM_ENV})
-    (work / "cli-warm.stderr").write_text(proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)  # --json: stdout is one JSON document, engine logs went to stderr
+    return cli_json(work, "cli-warm", ["warm", str(docs), "--engine", "sglang", "--policy", str(policy_file),
+                                       "--model", str(model), "--system", SYSTEM, "--max-model-len", "2048"],
+                    env=SHIM_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +77,7 @@ def replica(work: Path, model: Path, docs: Path, policy_file: Path, cli_warm: di
             "engine_type": "sglang", "system": SYSTEM, "docs": [str(docs / name) for name in DOC_TOKENS],
             "questions": QUESTIONS, "long_doc": document_text(2500, seed=9), "max_tokens": 6,
             "foreign_tenant": "globex"}
-    path = work / "replica.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(TESTS / "helpers" / "warm_replica.py"), str(path)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **SHIM_ENV})
-    (work / "replica.stderr").write_text(proc.stderr)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, proc.stderr[-4000:]
-    return json.loads(line[len("RESULT "):])
+    return run_helper(work, "replica", TESTS / "helpers" / "warm_replica.py", spec, env=SHIM_ENV)[0]
 
 
 @pytest.fixture(scope="module")

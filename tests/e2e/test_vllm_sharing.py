@@ -8,11 +8,7 @@ chunk bytes change the output; incompatible replicas (tokenizer, weights, KV dty
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +16,19 @@ from typing import Any
 import pytest
 
 from conftest import free_port
-from e2e.common import (CHUNK, LOGPROB_TOL, corrupt_copy, document_ids, hf_greedy, policy_for, run_replica,
-                        same_output)
+from e2e.common import (
+    CHUNK,
+    LOGPROB_TOL,
+    corrupt_copy,
+    document_ids,
+    hf_greedy,
+    http_server,
+    policy_for,
+    post_json,
+    run_replica,
+    same_output,
+    write_policy_file,
+)
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
@@ -191,14 +198,9 @@ def test_http_server_replica_is_covered_too(
     replica_a: dict[str, Any], cold: dict[str, Any],
 ) -> None:
     """A replica behind vLLM's OpenAI server, started with the flags `prefixshare vllm-args` prints."""
-    import urllib.request
-
     from prefixshare.adapters.vllm import serve_args
 
-    policy_file = work / "serve-policy.yaml"
-    import yaml
-
-    policy_file.write_text(yaml.safe_dump(server1.policy.to_dict()))
+    policy_file = write_policy_file(work / "serve-policy.yaml", server1.policy)
     argv, env = serve_args(server1.policy, str(models["main"]), policy_file=str(policy_file), instance="http")
     if argv[0] == "python":
         argv[0] = sys.executable
@@ -207,28 +209,12 @@ def test_http_server_replica_is_covered_too(
     port = free_port()
     argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
              "--block-size", "32", "--max-model-len", "4096"]
-    log = open(work / "http-server.log", "w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (work / "http-server.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        body = {"model": str(models["main"]), "prompt": prompts["doc"], "max_tokens": 12, "temperature": 0,
-                "logprobs": 1, "return_token_ids": True, "ignore_eos": True,
-                "kv_transfer_params": {"cached_token_stats": True, "prefixshare.document_id": "manual-http"}}
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=60)
-        log.close()
+    server_env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with http_server(argv, server_env, work / "http-server.log", port) as url:
+        answer = post_json(f"{url}/v1/completions", {
+            "model": str(models["main"]), "prompt": prompts["doc"], "max_tokens": 12, "temperature": 0,
+            "logprobs": 1, "return_token_ids": True, "ignore_eos": True,
+            "kv_transfer_params": {"cached_token_stats": True, "prefixshare.document_id": "manual-http"}})
     choice = answer["choices"][0]
     stats = (answer.get("kv_transfer_params") or choice.get("kv_transfer_params") or {}).get("cached_token_stats", {})
     assert stats.get("num_lmcache_cached_tokens", 0) >= 0.9 * DOC_TOKENS, answer
