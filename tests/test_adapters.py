@@ -11,11 +11,12 @@ from typer.testing import CliRunner
 
 from conftest import free_port
 from prefixshare import PrefixShare
-from prefixshare.adapters._runtime import ConnectorRuntime, namespace, read_stats, tenant_salt
+from prefixshare.keys import namespace, tenant_salt
+from prefixshare.runtime import ConnectorRuntime, read_stats
 from prefixshare.adapters.vllm import CONNECTOR, CONNECTOR_MODULE, engine_kwargs, kv_transfer_config
 from prefixshare.errors import PolicyError, PrefixShareError, ServerError
 from prefixshare.fingerprint import EngineSettings
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 
 
 @pytest.fixture
@@ -190,7 +191,7 @@ def test_stats_are_written_off_the_request_path_and_promptly(tmp_path: Path, pol
 def test_read_stats_waits_for_a_live_processs_snapshot(tmp_path: Path, policy: Policy) -> None:
     import time
 
-    from prefixshare.adapters import _runtime
+    from prefixshare.runtime import _stats as _runtime
 
     rt = _scheduler(tmp_path, policy, "waiter")
     _runtime._LIVE.discard(rt)  # as if it ran in another process: only its .seq counter and the writer thread
@@ -254,7 +255,7 @@ def test_a_process_that_exits_leaves_its_final_snapshot(tmp_path: Path, policy: 
     model = ensure_model(tmp_path.parent / "stats-model", shape="tiny", seed=0)
     code = f"""
 import json
-from prefixshare.adapters._runtime import ConnectorRuntime
+from prefixshare.runtime import ConnectorRuntime
 from prefixshare.fingerprint import EngineSettings
 settings = EngineSettings(engine="vllm", kv_layout="vllm/cpu/NHD", kv_dtype="float32", block_size=32)
 rt = ConnectorRuntime({{"prefixshare.policy": json.loads({json.dumps(json.dumps(policy.to_dict()))}),
@@ -272,7 +273,7 @@ print(rt._stats_path)
 
 
 def test_admission_digest_is_cheap_stable_and_versioned() -> None:
-    from prefixshare.adapters._runtime import ADMISSION_DIGEST_VERSION, admission_digest, token_bytes
+    from prefixshare.keys import ADMISSION_DIGEST_VERSION, admission_digest, token_bytes
 
     ids = list(range(100, 356))
     assert token_bytes([1, 2**32 - 1]) == b"\x01\x00\x00\x00\xff\xff\xff\xff"  # little-endian u32
@@ -347,7 +348,7 @@ def test_sglang_args_cli(cli: typer.Typer, tmp_path: Path) -> None:
 
 def test_sglang_remembers_which_chunk_prefixes_it_sent() -> None:
     """SGLang re-sends a prefix its own radix tree held; the backend skips chunks it sent (or found) before."""
-    from prefixshare.adapters.sglang._plugin import SubmittedChunks
+    from prefixshare.adapters.sglang._state import SubmittedChunks
 
     sent = SubmittedChunks(chunk_size=4, limit=6)
     ids = list(range(10))

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import free_port
 from helpers.lmcache_parsers import parse_server_argv
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 
 runner = CliRunner()
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
-from prefixshare.adapters._cost import DEADLINE_FACTOR, PROBE_AFTER_S, PROBE_EVERY, CostModel, Fit, store_key
-from prefixshare.policy import Policy
+from prefixshare.runtime._cost import DEADLINE_FACTOR, PROBE_AFTER_S, PROBE_EVERY, CostModel, Fit, store_key
+from prefixshare.policies import Policy
 
 KVB = 24_576  # bytes per token of the "bench" shape in fp32
 

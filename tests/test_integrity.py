@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixshare.tiers._integrity import TRAILER_BYTES, check, payload_size, trailer, verify_file
+from prefixshare.server.plugins.integrity import TRAILER_BYTES, check, payload_size, trailer, verify_file
 
 NAME = "prefixshare-0123456789abcdef0123@0x01000100@0@" + "ab" * 32 + ".data"
 OTHER = "prefixshare-0123456789abcdef0123@0x01000100@0@" + "cd" * 32 + ".data"

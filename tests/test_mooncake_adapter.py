@@ -17,7 +17,7 @@ pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
 
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 
-from prefixshare.tiers import _mooncake_adapter as mc  # noqa: E402
+from prefixshare.server.plugins import mooncake as mc  # noqa: E402
 
 PARAMS = {"master_server_addr": "127.0.0.1:50051", "metadata_server": "http://127.0.0.1:8080/metadata"}
 

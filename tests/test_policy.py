@@ -11,7 +11,7 @@ import pytest
 from helpers.lmcache_parsers import parse_adapter, parse_server_argv
 from prefixshare.errors import MissingExtraError, PolicyError
 from prefixshare.policies import MinTokens, Pinned
-from prefixshare.policy import Policy, legacy_config, legacy_yaml, list_presets, server_argv, server_env
+from prefixshare.policies import Policy, legacy_config, legacy_yaml, list_presets, server_argv, server_env
 from prefixshare.tiers import known_tiers, register_tier, require_client, tier_class
 
 
@@ -51,7 +51,7 @@ def test_default_policy_argv_is_accepted_by_lmcache(tmp_path: Path) -> None:
     adapters = storage.l2_adapter_config.adapters
     # the fs tier runs as prefixshare's checked fs adapter (integrity data), through LMCache's plugin type
     assert len(adapters) == 1 and adapters[0].adapter_params == {"base_path": str(tmp_path)}
-    assert (adapters[0].module_path, adapters[0].class_name) == ("prefixshare.tiers._fs_adapter", "CheckedFSL2Adapter")
+    assert (adapters[0].module_path, adapters[0].class_name) == ("prefixshare.server.plugins.fs", "CheckedFSL2Adapter")
     assert adapters[0].shared is True and adapters[0].persist_config.persist_enabled is True
 
 
@@ -66,7 +66,7 @@ def test_fs_tier_without_integrity_is_lmcaches_own_adapter(tmp_path: Path) -> No
 @pytest.mark.parametrize("kind", ["fs", "resp", "valkey", "s3", "mooncake_store", "nixl_store"])
 def test_each_tier_renders_an_adapter_lmcache_parses(tmp_path: Path, kind: str) -> None:
     tier = tier_class(kind).model_validate(_tier_examples(tmp_path)[kind])
-    cfg = tier.adapter_config()
+    cfg = tier.server_config()
     assert cfg["type"] in (kind, "plugin")
     try:
         parsed = parse_adapter(cfg)
@@ -81,7 +81,7 @@ def test_each_tier_renders_an_adapter_lmcache_parses(tmp_path: Path, kind: str) 
         assert parsed.cluster_mode is True
     if kind == "mooncake_store":
         # our adapter over Mooncake's Python client, through LMCache's plug-in type; Mooncake's own key names
-        assert (parsed.module_path, parsed.class_name) == ("prefixshare.tiers._mooncake_adapter",
+        assert (parsed.module_path, parsed.class_name) == ("prefixshare.server.plugins.mooncake",
                                                            "MooncakeStoreL2Adapter")
         assert parsed.adapter_params["master_server_addr"] == "127.0.0.1:50051"
         assert parsed.adapter_params["global_segment_size"] == 2**30
@@ -347,15 +347,14 @@ def test_shared_memory_is_on_by_default_and_named_after_the_port(tmp_path: Path)
 def test_manifests_go_where_the_policy_says_else_beside_the_fs_tier(tmp_path: Path) -> None:
     """Stores without a directory tier (Redis, Valkey, Mooncake, S3) record fingerprints at fingerprint.manifests,
     so an incompatible replica can still say why it loads nothing."""
-    from prefixshare.adapters._runtime import manifest_url
     from prefixshare.fingerprint import EngineSettings, Fingerprint, compute_fingerprint, explain, write_manifest
     from prefixshare.model import create_model
 
     redis = {"type": "resp", "host": "127.0.0.1", "port": 6379}
-    assert manifest_url(Policy.build(l2=[redis])) is None
-    assert manifest_url(Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path), "create": True}])) == str(tmp_path)
+    assert Policy.build(l2=[redis]).manifest_url is None
+    assert Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path), "create": True}]).manifest_url == str(tmp_path)
     policy = Policy.build(l2=[redis], fingerprint={"manifests": "memory://ps-manifests"})
-    url = manifest_url(policy)
+    url = policy.manifest_url
     assert url == "memory://ps-manifests"
     model = create_model(tmp_path / "m", shape="tiny", seed=0)
     written: Fingerprint = compute_fingerprint(model, EngineSettings(engine="vllm", kv_dtype="float32"))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from prefixshare.errors import PolicyError
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 
 FIELDS = ["version", "name", "chunk_size", "tenant", "l1", "l2", "server", "load", "fingerprint", "admission",
           "preset", "bogus"]

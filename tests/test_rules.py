@@ -35,7 +35,7 @@ from prefixshare.policies import (
     parse_size,
     rule_from_config,
 )
-from prefixshare.policies._units import _exact_duration, _exact_size
+from prefixshare._units import _exact_duration, _exact_size
 
 
 def req(prompt_tokens: int = 1000, **kw: Any) -> AdmissionRequest:

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import free_port, run_mp_client
 from prefixshare.errors import ServerError
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
 
 pytestmark = pytest.mark.server

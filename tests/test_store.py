@@ -14,9 +14,9 @@ import typer
 from typer.testing import CliRunner
 
 from conftest import free_port
-from prefixshare.adapters._runtime import namespace
+from prefixshare.keys import namespace
 from prefixshare.fingerprint import EngineSettings, compute_fingerprint, write_manifest
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 from prefixshare.store import doctor, plan_gc, run_gc
 from prefixshare.warm import DocumentRecord, Registry, chunk_file_name
 
@@ -273,7 +273,7 @@ def test_doctor_against_a_running_server(tmp_path: Path) -> None:
 def test_damaged_chunks_are_reported_by_doctor_and_removed_by_gc(populated: dict[str, Any]) -> None:
     """A chunk the server set aside on load (``*.data.corrupt``) is always garbage; with verify, every chunk
     of a checked fs tier that fails its digest (these test chunks carry no integrity data) is listed too."""
-    from prefixshare.policy import Policy
+    from prefixshare.policies import Policy
 
     store = populated["store"]
     policy = Policy.from_yaml(str(populated["policy_file"]))
@@ -299,7 +299,7 @@ def test_damaged_chunks_are_reported_by_doctor_and_removed_by_gc(populated: dict
 def test_doctor_probes_network_tiers_and_names_the_dead_one(tmp_path: Path) -> None:
     import socket
 
-    from prefixshare.policy import Policy
+    from prefixshare.policies import Policy
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

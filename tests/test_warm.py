@@ -13,9 +13,10 @@ import pytest
 
 from conftest import free_port
 from prefixshare import PrefixShare
-from prefixshare.adapters._runtime import ConnectorRuntime, RequestInfo, namespace
+from prefixshare.keys import namespace
+from prefixshare.runtime import ConnectorRuntime, RequestInfo
 from prefixshare.fingerprint import EngineSettings, compute_fingerprint
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 from prefixshare.warm import (
     ChunkHasher,
     DocumentError,
@@ -34,7 +35,7 @@ from prefixshare.warm import (
     safe_name,
     warm,
 )
-from prefixshare.warm._chunks import blake3_chunk_hashes
+from prefixshare.keys import blake3_chunk_hashes
 from prefixshare.warm._documents import split_text
 from prefixshare.warm._template import prefix_ids
 

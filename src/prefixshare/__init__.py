@@ -12,12 +12,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from prefixshare._version import __version__
 
 # public name -> module that defines it (imported lazily by __getattr__)
 _EXPORTS: dict[str, str] = {
-    "Policy": "prefixshare.policy",
-    "PrefixShare": "prefixshare.adapters",
+    "Policy": "prefixshare.policies",
+    "PrefixShare": "prefixshare.share",
     "LMCacheServer": "prefixshare.server",
     "EngineSettings": "prefixshare.fingerprint",
     "Fingerprint": "prefixshare.fingerprint",
@@ -48,8 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from prefixshare.plan import plan
     from prefixshare.warm import Template, prompt_for, warm
     from prefixshare.policies import TTL, AdmissionRequest, ByteBudget, Frequency, MinTokens, Pinned, TenantAllow
-    from prefixshare.adapters import PrefixShare
-    from prefixshare.policy import Policy
+    from prefixshare.share import PrefixShare
+    from prefixshare.policies import Policy
     from prefixshare.server import LMCacheServer
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from conftest import TESTS, free_port
 from prefixshare.bench._procs import parse_events
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 
 CHUNK = 64
 LOGPROB_TOL = 1e-4

@@ -22,7 +22,7 @@ import pytest
 from conftest import free_port
 from e2e.common import CHUNK, document_ids, same_output
 from prefixshare.bench._procs import run_replica, throttled_store_spec
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]

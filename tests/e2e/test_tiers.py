@@ -23,7 +23,7 @@ import pytest
 from conftest import free_port, run_mp_client
 from e2e.common import document_ids, policy_for, run_replica, same_output
 from faults._matrix import Row, record
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.server]
@@ -368,9 +368,9 @@ def test_mooncake_adapter_throughput_and_no_false_hits_without_master(mooncake: 
     master is killed and lookups of keys that exist must be misses (Mooncake answers -900, not 0)."""
     from lmcache.v1.distributed.api import ObjectKey
 
-    from prefixshare.tiers._mooncake_adapter import MooncakeStoreL2Adapter
+    from prefixshare.server.plugins.mooncake import MooncakeStoreL2Adapter
 
-    params = mooncake_policy(mooncake).l2[0].adapter_config()["adapter_params"]
+    params = mooncake_policy(mooncake).l2[0].server_config()["adapter_params"]
     writer, reader = MooncakeStoreL2Adapter(params), MooncakeStoreL2Adapter(params)
     try:
         chunk_mb, total_mb = 4, 128  # 4 MiB is about one 256-token chunk of an 8B model in bf16
@@ -507,7 +507,7 @@ def test_tier_throughput_bench(request: pytest.FixtureRequest, tmp_path: Path) -
         if t["type"] in ("fs", "resp"):
             assert t["raw"]["store_mbps"]["median"] > 0 and t["raw"]["load_mbps"]["median"] > 0, t
             assert all(r > 0 for r in t["adapter_over_raw"].values()), t
-    assert [t["adapter"] for t in results["tiers"][:2]] == ["prefixshare.tiers._fs_adapter.CheckedFSL2Adapter",
+    assert [t["adapter"] for t in results["tiers"][:2]] == ["prefixshare.server.plugins.fs.CheckedFSL2Adapter",
                                                            "lmcache fs"]
     print("FIGURES tiers: " + "; ".join(
         f"{t['tier']} store {t['store_mbps']['median']:.0f} / load {t['load_mbps']['median']:.0f} MB/s"

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from conftest import TESTS, free_port
 from e2e.common import cli_json, hf_greedy, run_helper, write_documents, write_policy_file
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.server, pytest.mark.usefixtures("module_cache_dir")]

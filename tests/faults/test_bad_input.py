@@ -19,7 +19,7 @@ from conftest import free_port
 from e2e.common import policy_for
 from faults._matrix import Row, record
 from prefixshare.errors import PolicyError, ServerError
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 from test_policy_fuzz import FIELDS, policies
 
 POLICY_EXAMPLES = 300

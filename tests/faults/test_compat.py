@@ -68,7 +68,7 @@ def test_lora_requests_are_salted_by_adapter_name_and_weights(tmp_path: Path) ->
     from types import SimpleNamespace
 
     from prefixshare._log import get_logger
-    from prefixshare.adapters._runtime import ConnectorRuntime, RequestInfo
+    from prefixshare.runtime import ConnectorRuntime, RequestInfo
 
     adapters = {}
     for tag, weights in (("v1", b"A" * 64), ("v2", b"B" * 64), ("v1-copy", b"A" * 64)):
@@ -107,7 +107,7 @@ def test_a_replica_whose_chunk_size_differs_from_the_running_server_is_refused(t
     with LMCacheServer(policy):
         other = policy.to_dict()
         other["chunk_size"] = 128
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
 
         with pytest.raises(ServerError) as info:
             PrefixShare(Policy.build(**other), server=False).start()

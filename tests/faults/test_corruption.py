@@ -28,8 +28,8 @@ from e2e.common import CHUNK, policy_for
 from faults._common import WARMUP, gen, identical, run_steps
 from faults._matrix import Row, record
 from prefixshare.server import LMCacheServer
-from prefixshare.tiers._integrity import verify_file
-from prefixshare.warm._chunks import blake3_chunk_hashes
+from prefixshare.server.plugins.integrity import verify_file
+from prefixshare.keys import blake3_chunk_hashes
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
 

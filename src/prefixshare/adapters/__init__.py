@@ -1,5 +1,15 @@
-"""Adapters wire a Policy into engines through LMCache's MP server: :class:`PrefixShare`."""
+"""Engine adapters: one folder per engine, each wiring a Policy into that engine through LMCache's MP server.
 
-from prefixshare.adapters._share import PrefixShare
+* :mod:`prefixshare.adapters.vllm` — engine kwargs, ``vllm serve`` flags, ``attach``, and the connector vLLM
+  loads by module path (scheduler side and worker side as named parts);
+* :mod:`prefixshare.adapters.sglang` — the same for SGLang, with its radix-cache backend;
+* :class:`WarmEngine` — what warming needs from an engine; each adapter implements it.
 
-__all__ = ["PrefixShare"]
+Each engine's uses of its own and LMCache's internals live in that engine's ``_compat`` module. Nothing here
+imports an engine at module import time. The facade that uses these, :class:`prefixshare.PrefixShare`, lives in
+:mod:`prefixshare.share`.
+"""
+
+from prefixshare.adapters._warm import PrefillRequest, PrefillResult, WarmEngine
+
+__all__ = ["PrefillRequest", "PrefillResult", "WarmEngine"]

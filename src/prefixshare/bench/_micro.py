@@ -136,7 +136,7 @@ def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int, *, check
     from lmcache.v1.distributed.api import ObjectKey
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 
-    from prefixshare.tiers._fs_adapter import CheckedFSL2Adapter
+    from prefixshare.server.plugins.fs import CheckedFSL2Adapter
 
     directory.mkdir(parents=True, exist_ok=True)
     config = FSL2AdapterConfig(base_path=str(directory))
@@ -205,7 +205,7 @@ def runtime_overhead(model_dir: Path, policy: Any, lengths: list[int], iteration
     import random
     import tempfile
 
-    from prefixshare.adapters._runtime import ConnectorRuntime
+    from prefixshare.runtime import ConnectorRuntime
     from prefixshare.fingerprint import EngineSettings
 
     settings = EngineSettings(engine="vllm", engine_version="bench", kv_layout="bench/cpu/NHD", kv_dtype="float32",

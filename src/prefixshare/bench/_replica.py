@@ -98,9 +98,9 @@ def main() -> None:
     configure(level=spec.get("log_level", "WARNING"), json=True)
     import vllm
 
-    from prefixshare.adapters.vllm import _compat
+    from prefixshare.adapters.vllm import fix_in_process_engine
 
-    _compat.apply()
+    fix_in_process_engine()
     engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
               "block_size": 32, "enable_prefix_caching": True, "seed": 0, **spec.get("engine", {})}
     started = time.perf_counter()
@@ -109,9 +109,9 @@ def main() -> None:
     if spec.get("policy") is None:
         llm = vllm.LLM(**engine)
     else:
-        from prefixshare.adapters._runtime import read_stats as _read_stats
+        from prefixshare.runtime import read_stats as _read_stats
         from prefixshare.adapters.vllm import engine_kwargs
-        from prefixshare.policy import policy_from_mapping
+        from prefixshare.policies import policy_from_mapping
 
         policy = policy_from_mapping(spec["policy"], source="bench spec")
         llm = vllm.LLM(**engine_kwargs(policy, instance=spec["instance"], **engine))
@@ -120,7 +120,7 @@ def main() -> None:
             return _read_stats(spec["instance"])
 
         if any(step["op"] == "warm" for step in spec["steps"]):
-            from prefixshare import PrefixShare
+            from prefixshare.share import PrefixShare
 
             ps = PrefixShare(policy, server=False, instance=spec["instance"])
             ps.engines.append(llm)
@@ -159,7 +159,7 @@ def main() -> None:
                                                           "tokens_stored", "requests")}
         elif step["op"] == "warm":
             from prefixshare.warm import warm
-            from prefixshare.warm._template import as_template, prefix_ids
+            from prefixshare.warm import as_template, prefix_ids
 
             tok = llm.get_tokenizer()
             out["ids"] = prefix_ids(tok, as_template(None).resolve(tok), step["text"])

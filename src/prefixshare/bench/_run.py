@@ -39,7 +39,7 @@ from typing import Any
 from prefixshare.bench._micro import fs_l2_io, machine, raw_io, runtime_overhead, summary
 from prefixshare.bench._procs import run_replica
 from prefixshare.bench._procs import throttled_store_spec
-from prefixshare.tiers._integrity import payload_size
+from prefixshare.server.plugins.integrity import payload_size
 
 #: the goals the project holds itself to (issue #6); "max" goals are upper bounds, "min" lower bounds
 GOALS: dict[str, dict[str, Any]] = {
@@ -120,7 +120,7 @@ class Bench:
 
     # --- plumbing ------------------------------------------------------------------------------------
     def _policy(self, *, mode: str = "always", slow: bool = False, store: Path | None = None) -> Any:
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
 
         fields: dict[str, Any] = {
             "chunk_size": self.s.chunk_size,
@@ -196,7 +196,7 @@ class Bench:
         # the same with the README's admission rules (they need a digest of the prompt)
         rules = self._policy(store=scratch).to_dict() | {"admission": {"all": [{"min_tokens": s.chunk_size}, {"any": [
             {"pinned": ["manual-*"]}, {"frequency": {"n": 2, "window": "1h"}}]}]}}
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
 
         overhead_rules = runtime_overhead(self.model, Policy.build(**rules), s.lengths, iterations=iterations)
         self.timings["overhead_s"] = round(time.perf_counter() - t0, 1)

@@ -20,7 +20,7 @@ from typing import Any
 
 from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
 
-from prefixshare.tiers._fs_adapter import CheckedFSL2Adapter
+from prefixshare.server.plugins.fs import CheckedFSL2Adapter
 
 class ThrottledFSL2Adapter(CheckedFSL2Adapter):
     """prefixshare's (checked) fs L2 adapter whose loads are slowed by a per-chunk delay and/or a bandwidth cap."""

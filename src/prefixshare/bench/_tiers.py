@@ -1,7 +1,7 @@
 """Store / lookup / load throughput of each L2 tier of a policy, measured the same way for every tier.
 
 Each tier's adapter is built as LMCache's MP server builds it: the tier's ``--l2-adapter`` JSON (rendered as
-:func:`prefixshare.policy.server_argv` renders it) goes through LMCache's own parser
+:func:`prefixshare.policies.server_argv` renders it) goes through LMCache's own parser
 (``parse_args_to_l2_adapters_config``) and factory (``create_l2_adapter``, with the L1 arena's descriptor),
 with the tier's server environment (credentials) set. The chunks are LMCache memory objects allocated from a
 real L1 memory manager, and every task is awaited on the adapter's event fd with ``poll``, as the server's
@@ -73,7 +73,7 @@ class TierBenchSettings:
 
 def adapter_spec(tier: Any) -> str:
     """The ``--l2-adapter`` argument the MP server receives for this tier (as ``server_argv`` renders it)."""
-    return json.dumps(tier.adapter_config(), sort_keys=True, separators=(",", ":"))
+    return json.dumps(tier.server_config(), sort_keys=True, separators=(",", ":"))
 
 
 def label(tier: Any) -> str:
@@ -387,7 +387,7 @@ class _Resp:
 
 def raw_resp(tier: Any, settings: TierBenchSettings, buffers: _Buffers) -> dict[str, Any]:
     """The same chunks through one pipelined RESP connection: N SET, one EXISTS of N keys, N GET."""
-    from prefixshare.tiers._base import read_secret
+    from prefixshare.tiers import read_secret
 
     n, size = settings.chunks, buffers.chunk_bytes
     client = _Resp(tier.host, tier.port, tier.username, read_secret(tier.password_env), settings.task_timeout_s)
@@ -442,7 +442,7 @@ def measure_tier(tier: Any, settings: TierBenchSettings) -> dict[str, Any]:
     """One tier's figures (and its raw baseline where there is one); ``error`` instead when it failed."""
     entry: dict[str, Any] = {"tier": label(tier), "type": tier.type, "describe": tier.describe(),
                              "adapter_config": tier.redacted()}
-    cfg = tier.adapter_config()
+    cfg = tier.server_config()
     entry["adapter"] = (f"{cfg['module_path']}.{cfg['class_name']}" if cfg.get("type") == "plugin"
                         else f"lmcache {cfg.get('type')}")
     if tier.type == "fs":

@@ -56,7 +56,7 @@ def register(app: typer.Typer) -> None:
                          runs=runs, out_dir=out_dir, docs=docs, no_docs=no_docs, json=json)
             return
 
-        from prefixshare.bench._run import Settings, render_results, run_bench
+        from prefixshare.bench import Settings, render_results, run_bench
 
         if render is not None:
             results = render_results(render, docs or Path("docs/benchmarks.md"))
@@ -92,8 +92,8 @@ def _bench_tiers(policy_file: Path, *, quick: bool, chunks: int, chunk_tokens: i
     import sys
 
     from prefixshare._paths import cache_dir
-    from prefixshare.bench._tiers import TierBenchSettings, measure_tiers, write_docs, write_results
-    from prefixshare.policy import Policy
+    from prefixshare.bench import TierBenchSettings, measure_tiers, write_docs, write_results
+    from prefixshare.policies import Policy
 
     policy = Policy.from_yaml(str(policy_file))
     settings = TierBenchSettings(chunks=4 if quick else chunks, chunk_tokens=64 if quick else chunk_tokens,

@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
 
         Ends with one verdict line. Exit 0 when the node is ready (warnings allowed), 1 when a check fails,
         2 on bad input."""
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
         from prefixshare.store import doctor
 
         loaded = Policy.from_yaml(str(policy))

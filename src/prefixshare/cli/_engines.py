@@ -29,7 +29,7 @@ def _register_one(app: typer.Typer, command: str, module: str, default_instance:
         instance: str = typer.Option(default_instance, "--instance", help="Name under which stats are published."),
         json: bool = JSON_OPTION,
     ) -> None:
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
 
         serve_args = importlib.import_module(module).serve_args
         argv, env = serve_args(Policy.from_yaml(str(policy)), model, policy_file=str(policy), instance=instance)

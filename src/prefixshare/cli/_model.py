@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from prefixshare.cli._common import JSON_OPTION, emit_json, handles_errors, out
-from prefixshare.model._shapes import SHAPES
+from prefixshare.model import SHAPES
 
 
 class ShapeName(enum.StrEnum):

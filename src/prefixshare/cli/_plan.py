@@ -111,7 +111,7 @@ def _print_plan(result: Plan) -> None:
     from rich.table import Table
 
     from prefixshare.plan import LINK_PRESETS, SHARING_WINS
-    from prefixshare.plan._plan import format_bytes, format_seconds
+    from prefixshare.plan import format_bytes, format_seconds
 
     shape = result.shape
     out.print(f"[bold]{shape.name}[/] ({shape.attention.upper()}): {result.formula}")

@@ -40,7 +40,7 @@ _OPTIONAL = """
 
 
 def _starter(preset: str, store: str | None) -> str:
-    from prefixshare.policy import preset_text
+    from prefixshare.policies import preset_text
 
     body = preset_text(preset)
     lines = [ln for ln in body.splitlines() if not ln.startswith("name:")]
@@ -56,7 +56,7 @@ def _starter(preset: str, store: str | None) -> str:
 
 def _preset_description(preset: str) -> str:
     """The first sentence of a shipped preset's leading comment block ("" when it has none)."""
-    from prefixshare.policy import preset_text
+    from prefixshare.policies import preset_text
 
     lines = []
     for line in preset_text(preset).splitlines():
@@ -94,7 +94,7 @@ def register(app: typer.Typer) -> None:
         yet). --list --json prints [{"name", "description"}], one per shipped preset."""
         import yaml
 
-        from prefixshare.policy import list_presets
+        from prefixshare.policies import list_presets
 
         if list_:
             if json:
@@ -115,7 +115,7 @@ def register(app: typer.Typer) -> None:
     def validate(file: Path = typer.Argument(..., help="Policy YAML file."), json: bool = JSON_OPTION) -> None:
         """Check a policy: exit 0 when valid, 2 with every field-level problem."""
         from prefixshare.errors import PolicyError
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
 
         try:
             policy = Policy.from_yaml(str(file))
@@ -150,7 +150,7 @@ def register(app: typer.Typer) -> None:
         show_secrets: bool = typer.Option(False, "--show-secrets", help="Do not mask passwords."),
     ) -> None:
         """Show the LMCache MP server command line and the in-process engine config a policy implies."""
-        from prefixshare.policy import Policy, legacy_config, legacy_yaml, server_argv, server_env
+        from prefixshare.policies import Policy, legacy_config, legacy_yaml, server_argv, server_env
 
         policy = Policy.from_yaml(str(file))
         argv = server_argv(policy, executable=["lmcache"], redact=not show_secrets)

@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
     @handles_errors
     def start(policy: Path = POLICY_OPTION, json: bool = JSON_OPTION) -> None:
         """Start the server in the background (or reuse a compatible one) and wait until it is healthy."""
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
         from prefixshare.server import LMCacheServer
 
         server = LMCacheServer(Policy.from_yaml(str(policy)), detach=True).start()
@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
     @handles_errors
     def status(policy: Path = POLICY_OPTION, json: bool = JSON_OPTION) -> None:
         """Show whether the policy's server is up, with its L1 usage. Exit 1 when it is not running."""
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
         from prefixshare.server import LMCacheServer
 
         info = _summary(LMCacheServer(Policy.from_yaml(str(policy))))
@@ -71,7 +71,7 @@ def register(app: typer.Typer) -> None:
     @handles_errors
     def stop(policy: Path = POLICY_OPTION, json: bool = JSON_OPTION) -> None:
         """Stop a server started with `prefixshare server start`."""
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
         from prefixshare.server import LMCacheServer
 
         stopped = LMCacheServer(Policy.from_yaml(str(policy))).stop_detached()

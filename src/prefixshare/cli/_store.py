@@ -27,7 +27,7 @@ def _age(seconds: float | None) -> str:
 
 
 def parse_size_arg(value: str) -> int:
-    from prefixshare.policies._units import parse_size
+    from prefixshare._units import parse_size
 
     match = _SHORT_SIZE.match(value)
     if match:
@@ -39,7 +39,7 @@ def parse_size_arg(value: str) -> int:
 
 
 def parse_duration_arg(value: str) -> float:
-    from prefixshare.policies._units import parse_duration
+    from prefixshare._units import parse_duration
 
     try:
         return parse_duration(value)
@@ -48,11 +48,10 @@ def parse_duration_arg(value: str) -> float:
 
 
 def _load(policy: Path) -> Any:
-    from prefixshare.policy import Policy
-    from prefixshare.warm import store_dirs
+    from prefixshare.policies import Policy
 
     loaded = Policy.from_yaml(str(policy))
-    if not store_dirs(loaded):
+    if not loaded.directories:
         raise fail("the policy has no directory (fs) tier: inspect and gc work on directory stores "
                    "(other tiers are pruned by their own eviction settings)", EXIT_BAD_INPUT)
     return loaded

@@ -135,7 +135,7 @@ def register(app: typer.Typer) -> None:
         Exit 0 when every document is warm (or was already), 1 when some could not be (admission refused,
         chunks missing), 2 on bad input (unreadable file, document longer than the context...).
         """
-        from prefixshare.policy import Policy
+        from prefixshare.policies import Policy
 
         if engine not in ("vllm", "sglang"):
             raise fail(f"--engine {engine}: unknown engine; use vllm or sglang", EXIT_BAD_INPUT)
@@ -173,13 +173,13 @@ def register(app: typer.Typer) -> None:
 def _run(policy: Any, policy_file: str, model: str, docs: Any, template: Any, *, engine: str, force: bool,
          tenant: str | None, split: bool, batch_tokens: int, verify_timeout: float, engine_kwargs: dict[str, Any],
          quiet_stdout: bool, show_progress: bool) -> Any:
-    from prefixshare.warm._settings import apply_engine_env, sglang_engine_kwargs, vllm_engine_kwargs
+    from prefixshare.warm import apply_engine_env, sglang_engine_kwargs, vllm_engine_kwargs
 
     apply_engine_env(engine=engine)
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch/vLLM deprecation chatter
-    from prefixshare import PrefixShare
+    from prefixshare.share import PrefixShare
     from prefixshare.warm import warm
 
     if engine == "sglang":

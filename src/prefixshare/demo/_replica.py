@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefixshare.warm._settings import apply_engine_env
+from prefixshare.warm import apply_engine_env
 
 apply_engine_env()
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -46,7 +46,7 @@ def _prime_ids(n: int) -> list[int]:
 
 
 def _reset(llm: Any) -> None:
-    from prefixshare.warm._engines import reset_vllm_prefix_cache
+    from prefixshare.adapters.vllm import reset_vllm_prefix_cache
 
     reset_vllm_prefix_cache(llm)
 
@@ -62,12 +62,12 @@ def main() -> None:
     template = Template.chat(system=spec["system"])
     result: dict[str, Any] = {"role": role}
     if role == "cold":
-        from prefixshare.adapters.vllm import _compat
+        from prefixshare.adapters.vllm import fix_in_process_engine
 
-        _compat.apply()
+        fix_in_process_engine()
         llm = vllm.LLM(**spec["engine"])
         result["engine_s"] = time.perf_counter() - started
-        from prefixshare.warm._template import prefix_ids, question_ids
+        from prefixshare.warm import prefix_ids, question_ids
 
         tok = llm.get_tokenizer()
         resolved = template.resolve(tok)
@@ -90,7 +90,7 @@ def main() -> None:
                          "first_logprob": logprob, "prompt": ids})
         result["questions"] = rows
     else:
-        from prefixshare import PrefixShare
+        from prefixshare.share import PrefixShare
         from prefixshare.warm import prompt_for, warm
 
         ps = PrefixShare(spec["policy_file"], server=False, instance=spec["instance"])

@@ -147,9 +147,9 @@ def run_demo(*, quick: bool = False, out_dir: Path | None = None, manual: Path |
              log: Any = print) -> DemoResult:
     """Run the demo end to end; ``log(str)`` receives one line per step."""
     from prefixshare.model import ensure_model
-    from prefixshare.policy import Policy
+    from prefixshare.policies import Policy
     from prefixshare.server import LMCacheServer
-    from prefixshare.warm._settings import ENGINE_ENV, QUIET_ENV, vllm_engine_kwargs
+    from prefixshare.warm import ENGINE_ENV, QUIET_ENV, vllm_engine_kwargs
 
     cfg = DemoConfig.quick() if quick else DemoConfig.full()
     t_start = time.perf_counter()

@@ -13,7 +13,7 @@ Importing this package is cheap: it never imports torch, transformers, lmcache o
 
 from __future__ import annotations
 
-from prefixshare.fingerprint._compute import TOKENIZER_FILES, WEIGHT_SUFFIXES, compute_fingerprint
+from prefixshare.fingerprint._compute import TOKENIZER_FILES, WEIGHT_SUFFIXES, compute_fingerprint, lora_digest
 from prefixshare.fingerprint._diff import Difference, check_compatible, diff
 from prefixshare.fingerprint._digests import CACHE_ENV, DigestCache, default_cache_dir
 from prefixshare.fingerprint._manifest import (
@@ -65,6 +65,7 @@ __all__ = [
     "diff",
     "explain",
     "load_manifest",
+    "lora_digest",
     "read_manifests",
     "write_manifest",
 ]

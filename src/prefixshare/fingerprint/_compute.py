@@ -340,6 +340,12 @@ def _safetensors_header(path: Path) -> Any:
         raise FingerprintError(f"{path} has an invalid safetensors header: {exc}") from exc
 
 
+def lora_digest(name: str, path: str) -> str:
+    """The digest of a LoRA adapter's files (config and weights), as the fingerprint records it."""
+    with DigestCache() as cache:
+        return _lora_info(name, path, cache).digest
+
+
 def _lora_info(name: str, path_text: str, cache: DigestCache) -> LoraInfo:
     path = Path(path_text).expanduser()
     if not path.exists():

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
-from prefixshare import __version__
+from prefixshare._version import __version__
 from prefixshare._files import write_private_atomic
 from prefixshare._log import get_logger
 from prefixshare.errors import FingerprintError

@@ -38,21 +38,25 @@ from prefixshare.plan._shape import (
     shapes_dir,
 )
 
+from prefixshare.plan._plan import format_bytes, format_seconds
+
 __all__ = [
     "DEFAULT_LINKS",
     "DEFAULT_PROMPT_LENGTHS",
     "DTYPE_BYTES",
     "LINK_PRESETS",
-    "PREFILL_WINS",
-    "SHARING_WINS",
     "Link",
     "ModelShape",
+    "PREFILL_WINS",
     "Plan",
     "PlanError",
     "PlanRow",
+    "SHARING_WINS",
     "Transfer",
     "Verdict",
     "bytes_per_element",
+    "format_bytes",
+    "format_seconds",
     "kv_bytes_per_token",
     "link_from_gbps",
     "list_shapes",

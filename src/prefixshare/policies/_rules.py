@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast, get_args
 
 from prefixshare.errors import _MISSING, FieldProblem, PolicyError
-from prefixshare.policies._units import _exact_duration, _exact_size, parse_duration, parse_size
+from prefixshare._units import _exact_duration, _exact_size, parse_duration, parse_size
 
 if TYPE_CHECKING:  # structlog is imported lazily, on first log call, to keep this module fast to import
     import structlog

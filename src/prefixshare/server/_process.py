@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,9 +21,10 @@ import httpx
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from prefixshare._log import get_logger
+from prefixshare._net import connect_error
 from prefixshare._paths import run_dir
 from prefixshare.errors import ServerError
-from prefixshare.policy import Policy, server_argv, server_env
+from prefixshare.policies import Policy, server_argv, server_env
 from prefixshare.tiers import require_client
 
 _LIKELY_CAUSES: tuple[tuple[str, str], ...] = (
@@ -57,12 +57,8 @@ def shm_path(segment: str | None) -> Path | None:
     return SHM_DIR / (bare if bare.startswith(SHM_PREFIX) else SHM_PREFIX + bare)
 
 
-def _port_open(host: str, port: int, timeout: float = 0.2) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+def _tcp_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    return connect_error(host, port, timeout) is None
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -81,7 +77,7 @@ def _likely_cause(log: str) -> str:
 
 
 class LMCacheServer:
-    """One LMCache MP server described by a :class:`~prefixshare.policy.Policy`.
+    """One LMCache MP server described by a :class:`~prefixshare.policies.Policy`.
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`. ``detach=True`` starts the server
     in its own session so it outlives this process (``prefixshare server start``).
@@ -149,7 +145,7 @@ class LMCacheServer:
         if want.server.transfer_mode != "auto" and mode not in (None, "auto", want.server.transfer_mode):
             problems.append(f"transfer mode {mode} (policy: {want.server.transfer_mode})")
         types = [a.get("type_name") for a in running["adapters"] if a.get("tier", "l2") == "l2"]
-        rendered = [t.adapter_config() for t in want.l2]
+        rendered = [t.server_config() for t in want.l2]
         wanted = [r["type"] for r in rendered]
         if types != wanted:
             problems.append(f"L2 tiers {types} (policy: {wanted})")
@@ -181,7 +177,7 @@ class LMCacheServer:
             self.log.info("server.reused")
             return self
         for host, port, what in ((srv.host, srv.port, "server.port"), (srv.http_host, srv.http_port, "server.http_port")):
-            if _port_open(host, port):
+            if _tcp_open(host, port):
                 raise ServerError(f"{what} {port} on {host} is in use by a process that is not an LMCache server; "
                                   f"change {what} in the policy")
         for tier in self.policy.l2:

@@ -16,9 +16,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from prefixshare import __version__
-from prefixshare.policy import Policy
-from prefixshare.warm import REGISTRY_DIR, store_root
+from prefixshare._version import __version__
+from prefixshare.policies import Policy
+from prefixshare.warm import REGISTRY_DIR
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 #: the LMCache release prefixshare renders its configs against (pyproject pins it)
@@ -250,7 +250,7 @@ def check_integrity(report: DoctorReport, policy: Policy, *, verify: bool) -> No
         return
     unchecked = [t.describe() for t in policy.l2 if getattr(t, "integrity", None) == "none"]
     damaged = damaged_chunks(policy, verify=verify)
-    root = store_root(policy)
+    root = policy.store_root
     manifests = read_manifests(str(root)).corrupt if root is not None and root.is_dir() else []
     records = Registry(root).records().corrupt if root is not None and root.is_dir() else []
     objects = [{"path": str(d.path), "kind": "chunk", "reason": d.verdict, "bytes": d.bytes} for d in damaged]
@@ -275,10 +275,10 @@ def check_integrity(report: DoctorReport, policy: Policy, *, verify: bool) -> No
 def check_fingerprint(report: DoctorReport, policy: Policy, model: str | None) -> None:
     """The local model's fingerprint against every manifest in the store, with each writer's engine settings
     (so the comparison shows whether this model could read what is there)."""
-    from prefixshare.adapters._runtime import manifest_url, namespace
+    from prefixshare.keys import namespace
     from prefixshare.fingerprint import EngineSettings, compute_fingerprint, diff, read_manifests
 
-    root = manifest_url(policy)
+    root = policy.manifest_url
     if model is None:
         report.add("fingerprint", INFO, "not checked (pass --model to compare the local model with the store)")
         return

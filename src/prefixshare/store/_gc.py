@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from prefixshare.fingerprint import read_manifests
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 from prefixshare.store._inspect import NAMESPACE_PREFIX, StoredFile, damaged_chunks, scan_store
-from prefixshare.warm import Registry, store_root
+from prefixshare.warm import Registry
 
 #: temporary files younger than this are writes in progress, whatever the TTL
 MIN_TMP_AGE_S = 3600.0
@@ -92,7 +92,7 @@ def plan_gc(policy: Policy, *, ttl_s: float | None = None, max_bytes: int | None
             now: float | None = None, namespaces: list[str] | None = None, verify: bool = False) -> GcPlan:
     """What gc would delete from the policy's store (nothing is touched)."""
     now = time.time() if now is None else now
-    root = store_root(policy)
+    root = policy.store_root
     scan = scan_store(policy)
     plan = GcPlan(str(root) if root is not None else None, ttl_s, max_bytes, now)
     damaged = [d for d in damaged_chunks(policy, verify=verify, scan=scan)

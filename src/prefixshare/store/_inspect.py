@@ -11,12 +11,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from prefixshare.adapters._runtime import namespace as namespace_of
+from prefixshare.keys import namespace as namespace_of
 from prefixshare.fingerprint import read_manifests
-from prefixshare.policy import Policy
-from prefixshare.tiers._integrity import QUARANTINE_SUFFIX, payload_size
-from prefixshare.warm import Registry, parse_chunk_file, store_dirs, store_root
-from prefixshare.warm._chunks import ChunkFile
+from prefixshare.policies import Policy
+from prefixshare.server.plugins.integrity import QUARANTINE_SUFFIX, payload_size
+from prefixshare.keys import ChunkFile, parse_chunk_file
+from prefixshare.warm import Registry
 
 NAMESPACE_PREFIX = "prefixshare-"
 TMP_SUFFIX = ".tmp"
@@ -54,7 +54,7 @@ class StoreScan:
 
 def scan_store(policy: Policy) -> StoreScan:
     """Stat every chunk file of the policy's directory tiers (one pass, no file is opened)."""
-    scan = StoreScan(store_dirs(policy))
+    scan = StoreScan(policy.directories)
     for directory in scan.dirs:
         try:
             entries = list(os.scandir(directory))
@@ -113,7 +113,7 @@ def local_hits() -> dict[str, dict[str, int]]:
 def inspect_store(policy: Policy, *, now: float | None = None) -> dict[str, Any]:
     """A JSON-ready description of the store: per namespace, what is there and who wrote it."""
     now = time.time() if now is None else now
-    root = store_root(policy)
+    root = policy.store_root
     scan = scan_store(policy)
     manifests = read_manifests(str(root)) if root is not None else []
     corrupt_manifests = [c.model_dump() for c in getattr(manifests, "corrupt", [])]
@@ -206,7 +206,7 @@ def damaged_chunks(policy: Policy, *, verify: bool = True, scan: StoreScan | Non
     """Chunk files of prefixshare namespaces that no engine will load: those the server quarantined on load
     and, with ``verify``, every file of a checked fs tier (``integrity: blake3``) whose digest fails (this
     reads every byte of the store once)."""
-    from prefixshare.tiers._integrity import verify_file
+    from prefixshare.server.plugins.integrity import verify_file
 
     scan = scan or scan_store(policy)
     out = [DamagedChunk(f.path, "quarantined", f.size, f.mtime, f.chunk.namespace if f.chunk else None)

@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 
 from prefixshare.errors import MissingExtraError
-from prefixshare.tiers._base import EvictionSettings, LegacyRemote, TierConfig
+from prefixshare.tiers._base import EvictionSettings, LegacyRemote, TierConfig, problem
 
 _REGISTRY: dict[str, str] = {
     "fs": "prefixshare.tiers._fs:FsTier",
@@ -69,11 +69,15 @@ def require_client(tier: TierConfig) -> None:
         raise MissingExtraError(f"the {tier.type!r} tier", module, tier.requires_extra or tier.type)
 
 
+from prefixshare.tiers._base import read_secret
+
 __all__ = [
     "EvictionSettings",
     "LegacyRemote",
     "TierConfig",
     "known_tiers",
+    "problem",
+    "read_secret",
     "register_tier",
     "require_client",
     "tier_class",

@@ -2,7 +2,7 @@
 
 A tier config is a small pydantic model that knows three renderings of itself:
 
-* :meth:`TierConfig.adapter_config` — the JSON object LMCache's MP server takes in ``--l2-adapter``
+* :meth:`TierConfig.server_config` — the JSON object LMCache's MP server takes in ``--l2-adapter``
   (field names are LMCache's own, so the server's parser is the final judge; tests call it);
 * :meth:`TierConfig.legacy` — the ``remote_url`` + ``extra_config`` of LMCache's in-process engine, for
   users on the CUDA in-process path (``None`` where that path has no equivalent);
@@ -67,7 +67,7 @@ class TierConfig(BaseModel):
     def _adapter_fields(self) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def adapter_config(self) -> dict[str, Any]:
+    def server_config(self) -> dict[str, Any]:
         """The ``--l2-adapter`` JSON object for LMCache's MP server (secrets included)."""
         cfg: dict[str, Any] = {"type": self.lmcache_type()}
         cfg.update({k: v for k, v in self._adapter_fields().items() if v is not None})
@@ -86,7 +86,7 @@ class TierConfig(BaseModel):
         return ()
 
     def redacted(self) -> dict[str, Any]:
-        cfg = self.adapter_config()
+        cfg = self.server_config()
         for key in self.secret_fields():
             if cfg.get(key):
                 cfg[key] = SECRET_MASK
@@ -135,13 +135,10 @@ def resp_ping(host: str, port: int, timeout_s: float) -> str | None:
 
 def tcp_probe(host: str, port: int, timeout_s: float) -> str | None:
     """None if a TCP connection to host:port opens within the timeout, else the reason."""
-    import socket
+    from prefixshare._net import connect_error
 
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return None
-    except OSError as exc:
-        return f"{host}:{port} unreachable ({exc.strerror or exc})"
+    exc = connect_error(host, port, timeout_s)
+    return None if exc is None else f"{host}:{port} unreachable ({exc.strerror or exc})"
 
 
 def read_secret(env_name: str | None) -> str | None:

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from prefixshare.tiers._base import LegacyRemote, TierConfig, problem
 
 #: the server-side adapter that writes and checks integrity data (imported by LMCache's MP server only)
-CHECKED_ADAPTER = ("prefixshare.tiers._fs_adapter", "CheckedFSL2Adapter")
+CHECKED_ADAPTER = ("prefixshare.server.plugins.fs", "CheckedFSL2Adapter")
 
 
 class FsTier(TierConfig):
@@ -67,8 +67,8 @@ class FsTier(TierConfig):
                           "O_DIRECT's block alignment)", "set integrity: none to use O_DIRECT, or drop use_odirect")
         return self
 
-    def adapter_config(self) -> dict[str, Any]:
-        cfg = super().adapter_config()
+    def server_config(self) -> dict[str, Any]:
+        cfg = super().server_config()
         if self.integrity == "none":
             return cfg
         params = {k: cfg.pop(k) for k in list(cfg) if k in self._adapter_fields()}

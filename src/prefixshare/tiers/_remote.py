@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from prefixshare.policies import parse_size
+from prefixshare._units import parse_size
 from prefixshare.tiers._base import LegacyRemote, TierConfig, problem, tcp_probe
 
 
@@ -75,7 +75,7 @@ class S3Tier(TierConfig):
 
 #: the L2 adapter LMCache's MP server loads for the mooncake_store tier (through its "plugin" type); only the
 #: server process imports that module.
-MOONCAKE_ADAPTER_MODULE = "prefixshare.tiers._mooncake_adapter"
+MOONCAKE_ADAPTER_MODULE = "prefixshare.server.plugins.mooncake"
 MOONCAKE_ADAPTER_CLASS = "MooncakeStoreL2Adapter"
 #: keys for the master's address that Mooncake ignores silently (then ~90 s of retries, and nothing stored)
 _WRONG_MASTER_KEYS = ("master_server_address", "mooncake_master_server_addr")

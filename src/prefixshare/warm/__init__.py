@@ -18,23 +18,19 @@ then ``engine.generate(**p.sglang_kwargs(), sampling_params={...})``. Each engin
 KV layouts differ, so each engine's KV lives under its own fingerprint.
 
 Layout: :mod:`._documents` (what to warm), :mod:`._template` (where documents sit in prompts),
-:mod:`._chunks` (the store's chunk keys and files), :mod:`._registry` (which documents are warm),
-:mod:`._engines` (the engine seam), :mod:`._warm` (warm and prompt_for).
+:mod:`._chunks` (which chunk files a directory tier holds; the keys themselves are :mod:`prefixshare.keys`'),
+:mod:`._registry` (which documents are warm), :mod:`._engines` (which engine adapter's
+:class:`~prefixshare.adapters.WarmEngine` to use), :mod:`._warm` (warm and prompt_for).
 """
 
 from __future__ import annotations
 
-from prefixshare.warm._chunks import (
-    ChunkFile,
-    ChunkHasher,
-    NamespaceIndex,
-    chunk_file_name,
-    parse_chunk_file,
-    store_dirs,
-    store_root,
-)
+from prefixshare.adapters import PrefillRequest, PrefillResult, WarmEngine
+from prefixshare.adapters.vllm import VllmEngine
+from prefixshare.keys import ChunkFile, ChunkHasher, chunk_file_name, parse_chunk_file
+from prefixshare.warm._chunks import NamespaceIndex
 from prefixshare.warm._documents import Document, DocumentError, resolve_documents
-from prefixshare.warm._engines import PrefillRequest, PrefillResult, VllmEngine, WarmEngine, engine_for
+from prefixshare.warm._engines import engine_for
 from prefixshare.warm._registry import REGISTRY_DIR, DocumentRecord, Registry, RegistryError, safe_name
 from prefixshare.warm._template import Template, TemplateError
 from prefixshare.warm._warm import (
@@ -49,8 +45,10 @@ from prefixshare.warm._warm import (
     warm,
 )
 
+from prefixshare.warm._settings import ENGINE_ENV, QUIET_ENV, apply_engine_env, sglang_engine_kwargs, vllm_engine_kwargs
+from prefixshare.warm._template import as_template, prefix_ids, question_ids
+
 __all__ = [
-    "REGISTRY_DIR",
     "ChunkFile",
     "ChunkHasher",
     "Document",
@@ -58,10 +56,13 @@ __all__ = [
     "DocumentRecord",
     "DocumentResult",
     "DocumentTooLongError",
+    "ENGINE_ENV",
     "NamespaceIndex",
     "PrefillRequest",
     "PrefillResult",
     "Prompt",
+    "QUIET_ENV",
+    "REGISTRY_DIR",
     "Registry",
     "RegistryError",
     "Template",
@@ -71,14 +72,18 @@ __all__ = [
     "WarmError",
     "WarmProgress",
     "WarmReport",
+    "apply_engine_env",
+    "as_template",
     "chunk_file_name",
     "engine_for",
     "expected_salt",
     "parse_chunk_file",
+    "prefix_ids",
     "prompt_for",
+    "question_ids",
     "resolve_documents",
     "safe_name",
-    "store_dirs",
-    "store_root",
+    "sglang_engine_kwargs",
+    "vllm_engine_kwargs",
     "warm",
 ]

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from prefixshare._files import write_private_atomic
 from prefixshare.errors import PrefixShareError
+from prefixshare.keys import chunk_file_name
 
 REGISTRY_DIR = ".prefixshare/documents"
 RECORD_FORMAT = "prefixshare-document/1"
@@ -69,8 +70,6 @@ class DocumentRecord(BaseModel):
     prefixshare_version: str | None = None
 
     def chunk_files(self) -> list[str]:
-        from prefixshare.warm._chunks import chunk_file_name
-
         return [chunk_file_name(self.namespace, rank, group, h, self.salt)
                 for h in self.chunk_hashes for rank, group in self.objects]
 

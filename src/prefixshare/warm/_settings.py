@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
 
 #: environment for a quiet in-process vLLM engine (set only where the user has not)
 ENGINE_ENV = {

@@ -142,6 +142,6 @@ def question_ids(tokenizer: Any, template: Template, question: str) -> list[int]
 def tokens_digest(ids: list[int]) -> str:
     """blake3 of token ids (little-endian u32), 32 hex: the registry's prefix digest (persisted: its bytes must not
     change; ``token_bytes`` packs exactly what ``array('I', ids).tobytes()`` did on little-endian machines)."""
-    from prefixshare.adapters._runtime import token_bytes
+    from prefixshare.keys import token_bytes
 
     return blake3.blake3(token_bytes(ids)).hexdigest()[:32]

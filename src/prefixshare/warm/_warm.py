@@ -12,26 +12,30 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefixshare import __version__, _metrics
+from prefixshare import _metrics
 from prefixshare._log import get_logger
-from prefixshare.adapters._runtime import (
+from prefixshare._version import __version__
+from prefixshare.adapters import PrefillRequest, WarmEngine
+from prefixshare.adapters.sglang import request_kwargs
+from prefixshare.errors import PrefixShareError
+from prefixshare.keys import (
     REQ_DOCUMENT,
     REQ_PREFIX_TOKENS,
     REQ_TENANT,
+    ChunkHasher,
     admission_digest,
     namespace,
     store_salt,
     tenant_salt,
 )
-from prefixshare.errors import PrefixShareError
-from prefixshare.warm._chunks import ChunkHasher, NamespaceIndex, store_dirs, store_root
+from prefixshare.policies import AdmissionRequest
+from prefixshare.warm._chunks import NamespaceIndex
 from prefixshare.warm._documents import Document, DocumentError, _from_string, _pair, resolve_documents, split_text
-from prefixshare.warm._engines import PrefillRequest, WarmEngine, engine_for
 from prefixshare.warm._registry import DocumentRecord, Registry
 from prefixshare.warm._template import Template, as_template, prefix_ids, question_ids, tokens_digest
 
 if TYPE_CHECKING:  # pragma: no cover
-    from prefixshare.adapters import PrefixShare
+    from prefixshare.share import PrefixShare
 
 #: tokens per engine call when warming many documents (progress is reported after each call)
 DEFAULT_BATCH_TOKENS = 16384
@@ -175,22 +179,6 @@ def _params(doc_id: str, prefix_tokens: int, tenant: str | None) -> dict[str, An
     return params
 
 
-# --- the engine wrapper is cached per attached engine (its fingerprint is computed once) ----------------------
-
-
-def _engine(ps: PrefixShare, engine: Any) -> WarmEngine:
-    if engine is not None and not type(engine).__module__.startswith(("vllm", "sglang")):
-        return engine_for(ps, engine)
-    target = engine if engine is not None else (ps.engines[-1] if ps.engines else None)
-    cache: dict[int, WarmEngine] = ps.__dict__.setdefault("_prefixshare_warm_engines", {})
-    key = id(target)
-    cached = cache.get(key)
-    if cached is None or getattr(cached, "llm", getattr(cached, "engine", target)) is not target:
-        cached = engine_for(ps, target)
-        cache[key] = cached
-    return cached
-
-
 # --- warm ---------------------------------------------------------------------------------------------------
 
 
@@ -229,7 +217,7 @@ def warm(
     started = time.monotonic()
     run = uuid.uuid4().hex[:8]
     log = get_logger(__name__, run=run)
-    eng = _engine(ps, engine)
+    eng = ps.warm_engine(engine)
     policy = ps.policy
     tokenizer = eng.tokenizer
     template = as_template(prefix).resolve(tokenizer)
@@ -255,8 +243,8 @@ def warm(
 
     fp = eng.fingerprint()
     ns = namespace(fp)
-    root = store_root(policy)
-    dirs = store_dirs(policy)
+    root = policy.store_root
+    dirs = policy.directories
     registry = Registry(root) if root is not None else None
     salt = expected_salt(tenant, cache_salt)
     hasher = ChunkHasher(policy.chunk_size, policy.server.hash_algorithm)
@@ -290,8 +278,6 @@ def warm(
                     result.bytes = index.bytes_of(item.hashes, salt) or result.bytes
                 continue
         if rule is not None:
-            from prefixshare.policies import AdmissionRequest
-
             decision = rule(AdmissionRequest(prompt_tokens=len(ids), document_id=doc.id, tenant=tenant,
                                              prefix_digest=_admission_digest(ids, policy.chunk_size),
                                              kv_bytes=chunk_tokens * kv_per_token))
@@ -483,8 +469,6 @@ class Prompt:
     def sglang_kwargs(self) -> dict[str, Any]:
         """``sglang.Engine.generate`` keyword arguments: the token ids, a request id carrying the document id and
         prefix length (a fresh one per call: SGLang request ids must be unique), and the tenant's cache salt."""
-        from prefixshare.adapters.sglang import request_kwargs
-
         return {"input_ids": list(self.token_ids),
                 **request_kwargs(document_id=self.document_id, tenant=self.tenant, prefix_tokens=self.prefix_tokens,
                                  cache_salt=self.cache_salt)}
@@ -519,7 +503,7 @@ def _resolve_one(ps: PrefixShare, eng: WarmEngine, doc: Any) -> Document:
         docs = _from_string(str(doc))
     elif isinstance(doc, str):
         record = None
-        root = store_root(ps.policy)
+        root = ps.policy.store_root
         if root is not None:
             record = Registry(root).get(eng.fingerprint().digest, doc)
         if record is not None:
@@ -554,7 +538,7 @@ def prompt_for(
     ``(id, text)`` or a :class:`Document`. Pass the same ``prefix`` (template), ``tenant`` and ``cache_salt``
     as to :func:`warm`.
     """
-    eng = _engine(ps, engine)
+    eng = ps.warm_engine(engine)
     tokenizer = eng.tokenizer
     template = as_template(prefix).resolve(tokenizer)
     document = _resolve_one(ps, eng, doc)

@@ -1,8 +1,10 @@
 """SGLang adapter: engine kwargs, server flags, per-request settings and ``attach``.
 
-SGLang runs prefixshare inside its scheduler through a radix-cache backend (see ``_plugin``) that it
-discovers through the ``sglang.srt.plugins`` entry point; this module only prepares the engine's
-arguments and environment. Nothing here imports SGLang at module import time.
+SGLang runs prefixshare inside its scheduler through a radix-cache backend (``_backend``) that it
+discovers through the ``sglang.srt.plugins`` entry point (``_plugin``); this module prepares the engine's
+arguments and environment. Also here: the per-request settings SGLang carries (``_requests``), what the
+fingerprint reads from ``ServerArgs`` (``_settings``), warm's view of a running engine (``_warm``), and every
+use of SGLang's and LMCache's internals (``_compat``). Nothing here imports SGLang at module import time.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ from typing import Any
 
 import yaml
 
+from prefixshare._env import LMCACHE_QUIET
 from prefixshare._paths import run_dir
-from prefixshare.adapters._runtime import KEY_INSTANCE, KEY_POLICY, KEY_POLICY_FILE
-from prefixshare.adapters.sglang._plugin import BACKEND, ENV_CONFIG
 from prefixshare.adapters.sglang._requests import parse_rid, request_kwargs
+from prefixshare.adapters.sglang._settings import BACKEND, ENV_CONFIG
+from prefixshare.adapters.sglang._warm import SglangEngine
 from prefixshare.errors import FieldProblem, PolicyError, PrefixShareError
-from prefixshare.policy import Policy
+from prefixshare.keys import KEY_INSTANCE, KEY_POLICY, KEY_POLICY_FILE
+from prefixshare.policies import Policy
 
-ENGINE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
+ENGINE_ENV = LMCACHE_QUIET
 
 
 def lmcache_config(policy: Policy) -> dict[str, Any]:
@@ -129,5 +133,5 @@ def attach(policy: Policy, engine: Any, *, instance: str) -> Any:
     return sglang.Engine(**kwargs)
 
 
-__all__ = ["BACKEND", "attach", "check_engine_kwargs", "engine_kwargs", "lmcache_config", "parse_rid",
+__all__ = ["BACKEND", "SglangEngine", "attach", "check_engine_kwargs", "engine_kwargs", "lmcache_config", "parse_rid",
            "request_kwargs", "runtime_env", "serve_args"]

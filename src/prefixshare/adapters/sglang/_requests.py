@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 from urllib.parse import quote, unquote
 
-from prefixshare.adapters._runtime import REQ_DOCUMENT, REQ_PREFIX_TOKENS, REQ_STORE, REQ_TENANT, store_salt
+from prefixshare.keys import REQ_DOCUMENT, REQ_PREFIX_TOKENS, REQ_STORE, REQ_TENANT, store_salt
 
 _PREFIX = "ps|"
 

@@ -11,15 +11,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prefixshare.adapters._runtime import KEY_INSTANCE, KEY_POLICY, KEY_POLICY_FILE
-from prefixshare.errors import PolicyError, PrefixShareError
-from prefixshare.errors import FieldProblem
-from prefixshare.policy import Policy
+from prefixshare._env import VLLM_QUIET
+from prefixshare.adapters.vllm._compat import apply as fix_in_process_engine
+from prefixshare.adapters.vllm._settings import CONNECTOR, CONNECTOR_MODULE
+from prefixshare.adapters.vllm._warm import VllmEngine, reset_vllm_prefix_cache
+from prefixshare.errors import FieldProblem, PolicyError, PrefixShareError
+from prefixshare.keys import KEY_INSTANCE, KEY_POLICY, KEY_POLICY_FILE
+from prefixshare.policies import Policy
 
-CONNECTOR = "PrefixShareConnector"
-CONNECTOR_MODULE = "prefixshare.adapters.vllm._connector"
 #: env our adapters set for vLLM: usage reports of LMCache and vLLM off
-ENGINE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "VLLM_NO_USAGE_STATS": "1"}
+ENGINE_ENV = VLLM_QUIET
 
 
 def kv_transfer_config(policy: Policy, *, instance: str, policy_file: str | None = None) -> dict[str, Any]:
@@ -130,11 +131,9 @@ def attach(policy: Policy, engine: Any, *, instance: str) -> Any:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-        from prefixshare.adapters.vllm import _compat
-
-        _compat.apply()
+        fix_in_process_engine()
     return vllm.LLM(**kwargs)
 
 
-__all__ = ["CONNECTOR", "CONNECTOR_MODULE", "attach", "check_engine_kwargs", "engine_kwargs", "kv_transfer_config",
-           "serve_args"]
+__all__ = ["CONNECTOR", "CONNECTOR_MODULE", "VllmEngine", "attach", "check_engine_kwargs", "engine_kwargs", "fix_in_process_engine",
+           "kv_transfer_config", "reset_vllm_prefix_cache", "serve_args"]

@@ -1,5 +1,10 @@
-"""A guarded fix for one vLLM 0.32 bug that breaks in-process engines once LMCache is imported.
+"""Every use of vLLM's and LMCache's internals by the vLLM adapter, in one place.
 
+* :func:`worker_health_event` — LMCache's worker adapter keeps its server-health flag in a private event;
+  the connector's worker side clears it to drop a step's transfers to a dead server.
+* :func:`apply` — a guarded fix for one vLLM 0.32 bug that breaks in-process engines once LMCache is imported.
+
+The bug:
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM's ``triton_utils.dispatcher._rebind_kernels`` calls
 ``vars()`` on every loaded module's globals; numba's llvmlite keeps an object whose ``vars()`` is not a
 dict, and engine start fails with ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``.
@@ -27,3 +32,8 @@ def apply() -> bool:
     if getattr(dispatcher, "vars", None) is not _safe_vars:
         dispatcher.vars = _safe_vars  # type: ignore[attr-defined]
     return True
+
+
+def worker_health_event(worker_adapter: Any) -> Any:
+    """LMCache's worker-side health flag (a ``threading.Event``: set while the server answers), or None."""
+    return getattr(worker_adapter, "_health_event", None)

@@ -1,4 +1,5 @@
-"""Read what the fingerprint needs from a vLLM config (no engine start, no CUDA)."""
+"""What prefixshare knows of a vLLM engine's configuration: the connector's name, and what the fingerprint
+reads from a vLLM config (no engine start, no CUDA)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from prefixshare.fingerprint import EngineSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
+
+#: the connector vLLM loads (``kv_connector``) and its module path (``kv_connector_module_path``)
+CONNECTOR = "PrefixShareConnector"
+CONNECTOR_MODULE = "prefixshare.adapters.vllm.connector"
 
 
 def _local_dir(name: str, revision: str | None) -> str:

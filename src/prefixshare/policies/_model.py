@@ -1,24 +1,26 @@
 """The typed Policy: where KV bytes rest, what is admitted, how long a load may take.
 
 One object replaces LMCache's two config surfaces (YAML/env for the in-process engine; CLI flags plus
-per-adapter JSON for the MP server). It renders both (see :mod:`prefixshare.policy._render`), and every
-invalid value is reported with its field path and a fix (see :mod:`prefixshare.policy._errors`).
+per-adapter JSON for the MP server). It renders both (see :mod:`prefixshare.policies._render`), and every
+invalid value is reported with its field path and a fix (see :mod:`prefixshare.policies._errors`).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from typing import Any, Literal
 
 from pydantic_core import PydanticCustomError
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prefixshare.errors import _MISSING, FieldProblem, PolicyError
-from prefixshare.policy._errors import prefixed, problems_from
-from prefixshare.policies import Rule, rule_from_config
-from prefixshare.tiers import TierConfig, known_tiers, tier_class
-from prefixshare.tiers._base import problem
+from prefixshare.policies._errors import prefixed, problems_from, to_policy_error
+from prefixshare.policies._load import parse_policy_file, resolve_presets
+from prefixshare.policies._render import legacy_config, server_argv
+from prefixshare.policies._rules import Rule, rule_from_config
+from prefixshare.tiers import TierConfig, known_tiers, problem, tier_class
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -155,8 +157,6 @@ class Policy(BaseModel):
     #: rule config (see prefixshare.policies); None admits every prefix of at least one chunk.
     admission: Any = None
 
-    _rule: Rule | None = PrivateAttr(default=None)
-
     @field_validator("l2", mode="before")
     @classmethod
     def _resolve_tiers(cls, value: Any) -> Any:
@@ -236,24 +236,39 @@ class Policy(BaseModel):
     def shares_across_nodes(self) -> bool:
         return any(t.shares_across_nodes for t in self.l2)
 
+    @property
+    def directories(self) -> list[Path]:
+        """The local directories of the directory (fs) tiers, in tier order: what warm, inspect and gc read."""
+        return [path for tier, path in self._tier_paths() if tier.type == "fs"]
+
+    @property
+    def store_root(self) -> Path | None:
+        """Where manifests and the document registry live: the first tier with a directory."""
+        return next((path for _, path in self._tier_paths()), None)
+
+    @property
+    def manifest_url(self) -> str | None:
+        """Where fingerprint manifests live: ``fingerprint.manifests``, else the store root (None: nowhere)."""
+        if self.fingerprint.manifests:
+            return self.fingerprint.manifests
+        root = self.store_root
+        return str(root) if root is not None else None
+
+    def _tier_paths(self) -> list[tuple[TierConfig, Path]]:
+        return [(tier, Path(path)) for tier in self.l2 if (path := getattr(tier, "base_path", None))]
+
     # --- construction helpers -------------------------------------------------------------------
     @classmethod
-    def from_yaml(cls, path: str) -> Policy:
-        from prefixshare.policy._load import load_policy_file
-
+    def from_yaml(cls, path: str | Path) -> Policy:
         return load_policy_file(path)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> Policy:
-        from prefixshare.policy._load import policy_from_mapping
-
         return policy_from_mapping({"preset": name, **overrides}, source=f"preset {name!r}")
 
     @classmethod
     def build(cls, **fields: Any) -> Policy:
         """Keyword construction with prefixshare's field-level errors (PolicyError, not pydantic's)."""
-        from prefixshare.policy._load import policy_from_mapping
-
         return policy_from_mapping(fields, source=None)
 
     def to_dict(self) -> dict[str, Any]:
@@ -263,11 +278,21 @@ class Policy(BaseModel):
         return data
 
     def server_argv(self, *, executable: list[str] | None = None) -> list[str]:
-        from prefixshare.policy._render import server_argv
-
         return server_argv(self, executable=executable)
 
     def legacy_config(self) -> dict[str, Any]:
-        from prefixshare.policy._render import legacy_config
-
         return legacy_config(self)
+
+
+def policy_from_mapping(data: dict[str, Any], source: str | None = None) -> Policy:
+    """A Policy from a mapping (``preset: NAME`` resolved first), with field-level errors."""
+    merged = resolve_presets(data, source)
+    try:
+        return Policy.model_validate(merged)
+    except ValidationError as exc:
+        raise to_policy_error(exc, Policy, merged, source) from None
+
+
+def load_policy_file(path: str | Path) -> Policy:
+    data, source = parse_policy_file(path)
+    return policy_from_mapping(data, source=source)

@@ -1,5 +1,7 @@
 """Is the node's LMCache MP server still there? A TCP connect to its request port, cached for a moment.
 
+(The probe itself is :func:`prefixshare._net.port_open`; this module caches it for the request path.)
+
 LMCache's connectors notice a dead server only at their next heartbeat (once a second); until then every
 lookup and every store RPC waits out its timeout inside the engine step. A connect to a dead local server is
 refused at once (~50 us), so the connectors check before each lookup and skip the store when it refuses.
@@ -7,25 +9,12 @@ refused at once (~50 us), so the connectors check before each lookup and skip th
 
 from __future__ import annotations
 
-import socket
 import time
 
-#: how long a reachability check may wait for the server's TCP port (a dead local server refuses at once)
-CONNECT_TIMEOUT_S = 0.25
+from prefixshare._net import CONNECT_TIMEOUT_S, port_open
+
 #: a port seen open this recently is not checked again (a connect costs ~50-100 us; P5 budgets 50 us a request)
 SEEN_OPEN_TTL_S = 0.1
-
-
-def port_open(address: tuple[str, int] | None, timeout: float = CONNECT_TIMEOUT_S) -> bool:
-    """True when the server accepts a TCP connection (no request is sent; ZMQ drops the bare connection).
-    ``None`` (a transport without a TCP port, e.g. ipc://) counts as open: there is nothing to check."""
-    if address is None:
-        return True
-    try:
-        with socket.create_connection(address, timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 class PortCheck:
@@ -44,3 +33,6 @@ class PortCheck:
             return False
         self._seen_open_at = now
         return True
+
+
+__all__ = ["CONNECT_TIMEOUT_S", "SEEN_OPEN_TTL_S", "PortCheck", "port_open"]

@@ -1,4 +1,6 @@
-"""Load policies from YAML files, mappings and shipped presets (``preset: NAME`` + overrides)."""
+"""Read policy YAML and shipped presets into plain mappings (``preset: NAME`` + overrides resolved).
+
+Validation into a :class:`~prefixshare.policies.Policy` is the model's (``policy_from_mapping``)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
-
 from prefixshare.errors import FieldProblem, PolicyError
-from prefixshare.policy._errors import to_policy_error
-from prefixshare.policy._model import Policy
 
 PRESET_PACKAGE = "prefixshare.policies.presets"
 
@@ -80,16 +78,9 @@ def resolve_presets(data: dict[str, Any], source: str | None) -> dict[str, Any]:
     return _merge(base, data)
 
 
-def policy_from_mapping(data: dict[str, Any], source: str | None = None) -> Policy:
-    merged = resolve_presets(data, source)
-    try:
-        return Policy.model_validate(merged)
-    except ValidationError as exc:
-        raise to_policy_error(exc, Policy, merged, source) from None
-
-
-def load_policy_file(path: str | Path) -> Policy:
+def parse_policy_file(path: str | Path) -> tuple[dict[str, Any], str]:
+    """A policy file's mapping and its source name (for error messages)."""
     p = Path(path)
     if not p.is_file():
         raise PolicyError([FieldProblem("(file)", str(p), "does not exist or is not a file", "check the path")])
-    return policy_from_mapping(_parse_yaml(p.read_text(encoding="utf-8"), str(p)), source=str(p))
+    return _parse_yaml(p.read_text(encoding="utf-8"), str(p)), str(p)

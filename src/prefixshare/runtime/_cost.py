@@ -82,18 +82,22 @@ def info_enabled() -> bool:
 
 
 class Fit:
-    """``y ~= w . x`` with ``w >= 0``, by exponentially weighted least squares (EWMA of X'X and X'y).
+    """``y ~= w0 * x0 + w1 * x1`` with ``w >= 0``, by exponentially weighted least squares (EWMA of X'X and X'y).
 
-    ``ridge`` holds each coefficient gently toward its prior (0 unless given), so that one observation at one
-    length gives a usable fit (the quadratic term stays ~0 until lengths vary).
+    Every estimate here has two terms (a per-call cost and a per-token cost, or a linear and a quadratic
+    term), so the fit is two-dimensional and solved in closed form (it runs once per observation, on the
+    request path). ``ridge`` holds each coefficient gently toward 0, so that one observation at one length
+    gives a usable fit (the quadratic term stays ~0 until lengths vary).
     """
 
-    def __init__(self, dim: int, *, alpha: float = ALPHA, ridge: tuple[float, ...] | None = None) -> None:
+    def __init__(self, dim: int = 2, *, alpha: float = ALPHA, ridge: tuple[float, float] | None = None) -> None:
+        if dim != 2:
+            raise ValueError("Fit is two-dimensional")
         self.dim = dim
         self.alpha = alpha
-        self.ridge = ridge or tuple(1e-9 for _ in range(dim))
-        self.xx = [[0.0] * dim for _ in range(dim)]
-        self.xy = [0.0] * dim
+        self.ridge = ridge or (1e-9, 1e-9)
+        self.xx = [[0.0, 0.0], [0.0, 0.0]]
+        self.xy = [0.0, 0.0]
         self.n = 0
         self.w: list[float] | None = None
 
@@ -101,48 +105,20 @@ class Fit:
         if not (math.isfinite(y) and y >= 0) or any(not math.isfinite(v) for v in x):
             return
         keep = 1.0 - self.alpha if self.n else 0.0
-        if self.dim == 2:  # every fit here, unrolled (the same arithmetic as the loop below, on the request path)
-            x0, x1 = x
-            xy, (r0, r1) = self.xy, self.xx
-            xy[0] = keep * xy[0] + x0 * y
-            r0[0] = keep * r0[0] + x0 * x0
-            r0[1] = keep * r0[1] + x0 * x1
-            xy[1] = keep * xy[1] + x1 * y
-            r1[0] = keep * r1[0] + x1 * x0
-            r1[1] = keep * r1[1] + x1 * x1
-            self.n += 1
-            self.w = self._solve2()
-            return
-        for i in range(self.dim):
-            self.xy[i] = keep * self.xy[i] + x[i] * y
-            for j in range(self.dim):
-                self.xx[i][j] = keep * self.xx[i][j] + x[i] * x[j]
+        x0, x1 = x
+        xy, (r0, r1) = self.xy, self.xx
+        xy[0] = keep * xy[0] + x0 * y
+        r0[0] = keep * r0[0] + x0 * x0
+        r0[1] = keep * r0[1] + x0 * x1
+        xy[1] = keep * xy[1] + x1 * y
+        r1[0] = keep * r1[0] + x1 * x0
+        r1[1] = keep * r1[1] + x1 * x1
         self.n += 1
         self.w = self._solve()
 
     def _solve(self) -> list[float]:
-        """Non-negative solution: the unconstrained one if it is non-negative, else the best on a face."""
-        if self.dim == 2:  # every fit here: closed form (this runs once per observation, on the request path)
-            return self._solve2()
-        best: list[float] | None = None
-        best_err = math.inf
-        for mask in range((1 << self.dim) - 1, 0, -1):
-            idx = [i for i in range(self.dim) if mask >> i & 1]
-            sol = _solve([[self.xx[i][j] + (self.ridge[i] if i == j else 0.0) for j in idx] for i in idx],
-                         [self.xy[i] for i in idx])
-            if sol is None or any(v < 0 for v in sol):
-                continue
-            w = [0.0] * self.dim
-            for i, v in zip(idx, sol, strict=True):
-                w[i] = v
-            err = self._loss(w)
-            if err < best_err - 1e-15:
-                best, best_err = w, err
-            if mask == (1 << self.dim) - 1:
-                break  # the unconstrained solution is feasible: it is the optimum
-        return best or [0.0] * self.dim
-
-    def _solve2(self) -> list[float]:
+        """Non-negative least squares: the unconstrained solution if it is non-negative, else the best on a face
+        (one coefficient 0, the other its 1-D least-squares value, clamped at 0)."""
         (a, b), (c, d) = self.xx
         a += self.ridge[0]
         d += self.ridge[1]
@@ -152,23 +128,21 @@ class Fit:
             w0, w1 = (d * y0 - b * y1) / det, (a * y1 - c * y0) / det
             if w0 >= 0 and w1 >= 0:
                 return [w0, w1]
-        # on a face: one coefficient 0, the other its 1-D least-squares value (clamped at 0)
         only0 = [max(0.0, y0 / a), 0.0] if a > 0 else [0.0, 0.0]
         only1 = [0.0, max(0.0, y1 / d)] if d > 0 else [0.0, 0.0]
         return only0 if self._loss(only0) <= self._loss(only1) else only1
 
     def _loss(self, w: list[float]) -> float:
         # w'XXw - 2 w'Xy (+ const): enough to compare candidates
-        quad = sum(w[i] * self.xx[i][j] * w[j] for i in range(self.dim) for j in range(self.dim))
-        return quad - 2 * sum(w[i] * self.xy[i] for i in range(self.dim))
+        (a, b), (c, d) = self.xx
+        quad = w[0] * (a * w[0] + b * w[1]) + w[1] * (c * w[0] + d * w[1])
+        return quad - 2 * (w[0] * self.xy[0] + w[1] * self.xy[1])
 
     def predict(self, x: tuple[float, ...] | list[float]) -> float | None:
         w = self.w
         if w is None:
             return None
-        if len(w) == 2 == len(x):
-            return max(0.0, w[0] * x[0] + w[1] * x[1])
-        return max(0.0, sum(wi * xi for wi, xi in zip(w, x, strict=True)))
+        return max(0.0, w[0] * x[0] + w[1] * x[1])
 
     def to_dict(self) -> dict[str, Any]:
         return {"n": self.n, "xx": self.xx, "xy": self.xy, "w": self.w}
@@ -176,7 +150,7 @@ class Fit:
     def load(self, data: dict[str, Any]) -> None:
         try:
             xx, xy = data["xx"], data["xy"]
-            if len(xy) != self.dim or any(len(row) != self.dim for row in xx):
+            if len(xy) != 2 or any(len(row) != 2 for row in xx):
                 return
             self.xx = [[float(v) for v in row] for row in xx]
             self.xy = [float(v) for v in xy]
@@ -186,25 +160,8 @@ class Fit:
             return
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting for the tiny (<= 3x3) normal equations."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-300:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                for c in range(col, n + 1):
-                    m[r][c] -= f * m[col][c]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
 @dataclass
-class Decision:
+class LoadDecision:
     """One load-or-recompute decision, its prediction and (later) what was observed."""
 
     request_id: str
@@ -243,13 +200,13 @@ class Decision:
         return data
 
 
-_FIELDS = [f.name for f in fields(Decision) if f.name != "decided_at"]
+_FIELDS = [f.name for f in fields(LoadDecision) if f.name != "decided_at"]
 
 
 def store_key(policy: Any) -> str:
     """The identity of the store a policy reads (its tiers and extra server arguments, not the server's address:
     servers of several nodes on one shared directory read the same store): estimates are kept per store."""
-    tiers = [t.adapter_config() for t in getattr(policy, "l2", [])]
+    tiers = [t.server_config() for t in getattr(policy, "l2", [])]
     ident = json.dumps([tiers, list(policy.server.extra_args)], sort_keys=True, default=str)
     return blake3.blake3(ident.encode()).hexdigest()[:16]
 
@@ -272,8 +229,8 @@ class CostModel:
         self.lookup = Fit(2, ridge=(1e-9, 1e-9))
         self.transfer = Fit(2, ridge=(1e-9, 1e-9))
         #: the newest decisions with their outcomes (made dicts when a snapshot is taken, off the request path)
-        self.decisions: deque[Decision] = deque(maxlen=KEEP_DECISIONS)
-        self.pending: dict[str, Decision] = {}
+        self.decisions: deque[LoadDecision] = deque(maxlen=KEEP_DECISIONS)
+        self.pending: dict[str, LoadDecision] = {}
         self.counts: Counter[str] = Counter()
         self.abs_errors: deque[float] = deque(maxlen=KEEP_DECISIONS)
         self._recompute_streak = 0
@@ -428,7 +385,7 @@ class CostModel:
 
     # --- decisions --------------------------------------------------------------------------------------
     def decide_before_lookup(self, request_id: str, prompt_tokens: int, local_tokens: int,
-                             lookup_tokens: int) -> Decision:
+                             lookup_tokens: int) -> LoadDecision:
         """Before the lookup: could loading the largest possible hit (every chunk of ``lookup_tokens``) beat
         recomputing it? ``local_tokens``: what the engine's own prefix cache already holds."""
         load_tokens = max(0, lookup_tokens - local_tokens)
@@ -451,7 +408,7 @@ class CostModel:
                                       "measurement, the store is looked up once")
         else:
             choice, reason = "recompute", "recompute predicted faster"
-        d = Decision(request_id, "before_lookup", choice, reason, self.mode, prompt_tokens, local_tokens, load_tokens,
+        d = LoadDecision(request_id, "before_lookup", choice, reason, self.mode, prompt_tokens, local_tokens, load_tokens,
                      load_tokens * self.kv_bytes_per_token, load, recompute)
         if rest is not None:
             chosen = load if choice == "load" else recompute
@@ -459,7 +416,7 @@ class CostModel:
         return self._record(d)
 
     def decide_after_lookup(self, request_id: str, prompt_tokens: int, local_tokens: int, hit_tokens: int,
-                            lookup_s: float | None) -> Decision:
+                            lookup_s: float | None) -> LoadDecision:
         """After the lookup answered ``hit_tokens`` (its L2 read is paid): load them, or recompute?"""
         load_tokens = max(0, hit_tokens - local_tokens)
         xfer = self.transfer_s(load_tokens)
@@ -473,7 +430,7 @@ class CostModel:
             choice, reason = "load", "load predicted faster"
         else:
             choice, reason = "recompute", "recompute predicted faster than the transfer"
-        d = Decision(request_id, "after_lookup", choice, reason, self.mode, prompt_tokens, local_tokens, load_tokens,
+        d = LoadDecision(request_id, "after_lookup", choice, reason, self.mode, prompt_tokens, local_tokens, load_tokens,
                      load_tokens * self.kv_bytes_per_token, xfer, recompute)
         if rest is not None:
             chosen = xfer if choice == "load" else recompute
@@ -493,9 +450,9 @@ class CostModel:
         recompute = self.prefill_s(local_tokens, prompt_tokens)
         return None if recompute is None else DEADLINE_FACTOR * recompute
 
-    def decide_deadline(self, request_id: str, prompt_tokens: int, local_tokens: int, waited_s: float) -> Decision:
+    def decide_deadline(self, request_id: str, prompt_tokens: int, local_tokens: int, waited_s: float) -> LoadDecision:
         recompute = self.prefill_s(local_tokens, prompt_tokens)
-        d = Decision(request_id, "deadline", "recompute",
+        d = LoadDecision(request_id, "deadline", "recompute",
                      f"the lookup ran {waited_s:.3f} s, over {DEADLINE_FACTOR:g}x the predicted recompute", self.mode,
                      prompt_tokens, local_tokens, 0, 0, None, recompute,
                      predicted_s=None if recompute is None else waited_s + recompute)
@@ -508,7 +465,7 @@ class CostModel:
         self.observe_lookup(lookup_tokens, waited_s)
         return self._record(d)
 
-    def _record(self, d: Decision) -> Decision:
+    def _record(self, d: LoadDecision) -> LoadDecision:
         with self._lock:
             self.pending[d.request_id] = d
             self.counts[f"{d.phase}:{d.decision}"] += 1
@@ -522,7 +479,7 @@ class CostModel:
         return d
 
     def outcome(self, request_id: str, *, finished_at: float | None = None, loaded_tokens: int = 0,
-                transfer_s: float | None = None) -> Decision | None:
+                transfer_s: float | None = None) -> LoadDecision | None:
         """The request's prefill finished: record the observed time of the chosen path against its prediction."""
         with self._lock:
             d = self.pending.pop(request_id, None)
@@ -560,7 +517,3 @@ class CostModel:
                 "estimates": self.estimates(),
                 "recent": [d.to_dict() for d in self.decisions],
             }
-
-
-def cost_file(namespace: str) -> Path:
-    return run_dir() / "cost" / f"{namespace}.json"

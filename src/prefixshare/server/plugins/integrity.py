@@ -1,6 +1,6 @@
 """Integrity data we write beside every chunk of an fs tier, and the checks that read it.
 
-A chunk file written by prefixshare's fs adapter (:mod:`prefixshare.tiers._fs_adapter`, run inside LMCache's
+A chunk file written by prefixshare's fs adapter (:mod:`prefixshare.server.plugins.fs`, run inside LMCache's
 MP server) is the raw KV bytes LMCache's own fs adapter writes, followed by a fixed 48-byte trailer::
 
     payload (n bytes) | b"PSKV" | version u8 | algorithm u8 | reserved u16 | n u64 | digest (32 bytes)

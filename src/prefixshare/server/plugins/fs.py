@@ -3,13 +3,13 @@
 Loaded by the server through LMCache's ``plugin`` L2 adapter type (the fs tier renders the spec; nothing in
 prefixshare imports this module, which imports LMCache)::
 
-    --l2-adapter '{"type": "plugin", "module_path": "prefixshare.tiers._fs_adapter",
+    --l2-adapter '{"type": "plugin", "module_path": "prefixshare.server.plugins.fs",
                    "class_name": "CheckedFSL2Adapter", "adapter_params": {"base_path": "/dir"}, ...}'
 
 File names, lookups (a file-exists check) and deletes are LMCache's fs adapter's own, so several servers on
 one directory share chunks and LMCache's tools still read the files. What differs:
 
-* **store** writes ``payload + trailer`` (see :mod:`prefixshare.tiers._integrity`) to a temporary file
+* **store** writes ``payload + trailer`` (see :mod:`prefixshare.server.plugins.integrity`) to a temporary file
   created with mode 0640 (never world-readable), then renames it into place;
 * **load** reads the payload and the trailer, and accepts the chunk only if the digest over the file name and
   the payload matches. A damaged chunk (truncated, bit-flipped, copied in under another name, written
@@ -33,7 +33,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 
 from prefixshare._log import get_logger
-from prefixshare.tiers import _integrity as integrity
+from prefixshare.server.plugins import integrity
 
 log = get_logger("prefixshare.store")
 

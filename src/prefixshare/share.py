@@ -1,16 +1,23 @@
-"""``PrefixShare``: one object that owns the node's LMCache MP server and wires engines to it."""
+"""``PrefixShare``: the top floor. One object owns the node's LMCache MP server and wires engines to it.
+
+It imports the engine adapters (:mod:`prefixshare.adapters`) and :mod:`prefixshare.warm` directly: nothing
+below it imports it (they receive it as an argument).
+"""
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from pathlib import Path
 from typing import Any
 
 from prefixshare._log import get_logger
+from prefixshare.adapters import sglang as sglang_adapter
+from prefixshare.adapters import vllm as vllm_adapter
 from prefixshare.errors import PrefixShareError, ServerError
-from prefixshare.policy import Policy
+from prefixshare.policies import Policy
+from prefixshare.runtime import read_stats
 from prefixshare.server import LMCacheServer
+from prefixshare.warm import engine_for, prompt_for, warm
 
 
 class PrefixShare:
@@ -39,6 +46,8 @@ class PrefixShare:
         self._start_server = server
         self._started = False
         self.engines: list[Any] = []
+        #: warm's view of each attached engine (its fingerprint is computed once), by engine identity
+        self._warm_engines: dict[int, Any] = {}
         self.log = get_logger(__name__, instance=self.instance)
 
     # --- server --------------------------------------------------------------------------------------
@@ -63,11 +72,7 @@ class PrefixShare:
         """Engine keyword arguments wired to prefixshare, for users who build the engine themselves
         (``vllm.LLM(**kw)``; for SGLang also apply :func:`prefixshare.adapters.sglang.runtime_env`)."""
         if engine == "sglang":
-            from prefixshare.adapters import sglang as sglang_adapter
-
             return sglang_adapter.engine_kwargs(self.policy, instance=self.instance, **kwargs)
-        from prefixshare.adapters import vllm as vllm_adapter
-
         return vllm_adapter.engine_kwargs(self.policy, instance=self.instance, policy_file=self.policy_file, **kwargs)
 
     def serve_args(self, model: str, *, engine: str = "vllm", policy_file: str | None = None) -> tuple[list[str], dict[str, str]]:
@@ -77,12 +82,8 @@ class PrefixShare:
             raise PrefixShareError("serve_args needs the policy as a file (servers read it at start): "
                                    "PrefixShare('policy.yaml') or serve_args(..., policy_file=PATH)")
         if engine == "vllm":
-            from prefixshare.adapters import vllm as vllm_adapter
-
             return vllm_adapter.serve_args(self.policy, model, policy_file=policy_file)
         if engine == "sglang":
-            from prefixshare.adapters import sglang as sglang_adapter
-
             return sglang_adapter.serve_args(self.policy, model, policy_file=policy_file)
         raise PrefixShareError(f"unknown engine {engine!r}; supported: vllm, sglang")
 
@@ -92,12 +93,8 @@ class PrefixShare:
         kind = engine_type or _engine_kind(engine)
         self.start()
         if kind == "vllm":
-            from prefixshare.adapters import vllm as vllm_adapter
-
             llm = vllm_adapter.attach(self.policy, engine, instance=self.instance)
         elif kind == "sglang":
-            from prefixshare.adapters import sglang as sglang_adapter
-
             llm = sglang_adapter.attach(self.policy, engine, instance=self.instance)
         else:
             raise PrefixShareError(f"unknown engine {kind!r}; supported: vllm, sglang")
@@ -105,20 +102,28 @@ class PrefixShare:
         self.log.info("engine.attached", engine=kind)
         return llm
 
-    # --- documents (facade: warm builds on this class; it is resolved at call time, not imported) ------
+    # --- documents -------------------------------------------------------------------------------------
     def warm(self, docs: Any, engine: Any = None, **kwargs: Any) -> Any:
         """Prefill documents once so every replica starts hot; see :func:`prefixshare.warm.warm`."""
-        return importlib.import_module("prefixshare.warm").warm(self, docs, engine, **kwargs)
+        return warm(self, docs, engine, **kwargs)
 
     def prompt_for(self, doc: Any, question: str, **kwargs: Any) -> Any:
         """A prompt whose document prefix is bit for bit the warmed one; see :func:`prefixshare.warm.prompt_for`."""
-        return importlib.import_module("prefixshare.warm").prompt_for(self, doc, question, **kwargs)
+        return prompt_for(self, doc, question, **kwargs)
+
+    def warm_engine(self, engine: Any = None) -> Any:
+        """warm's view of an engine (default: the one attached last), built once per engine."""
+        if engine is not None and not type(engine).__module__.startswith(("vllm", "sglang")):
+            return engine_for(self, engine)  # already a WarmEngine (tests, other engines)
+        target = engine if engine is not None else (self.engines[-1] if self.engines else None)
+        cached = self._warm_engines.get(id(target))
+        if cached is None or cached.engine is not target:
+            cached = self._warm_engines[id(target)] = engine_for(self, target)
+        return cached
 
     # --- observability -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters of every engine attached under this instance (hits, tokens, bytes, latencies, refusals)."""
-        from prefixshare.adapters._runtime import read_stats
-
         return read_stats(self.instance)
 
     # --- lifecycle -------------------------------------------------------------------------------------
@@ -133,6 +138,7 @@ class PrefixShare:
                 except Exception as exc:  # noqa: BLE001 - closing must not raise over the user's own error
                     self.log.warning("engine.shutdown_failed", error=str(exc))
         self.engines.clear()
+        self._warm_engines.clear()
         self.server.stop()
         self._started = False
 

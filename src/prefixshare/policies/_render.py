@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefixshare.policy._model import Policy
+from prefixshare._env import LMCACHE_QUIET
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prefixshare.policies._model import Policy
 
 
 def _fmt(value: float) -> str:
@@ -43,7 +46,7 @@ def server_argv(policy: Policy, *, executable: list[str] | None = None, redact: 
     if srv.shm_segment is not None:
         argv += ["--shm-name", srv.shm_segment]
     for tier in policy.l2:
-        cfg = tier.redacted() if redact else tier.adapter_config()
+        cfg = tier.redacted() if redact else tier.server_config()
         argv += ["--l2-adapter", json.dumps(cfg, sort_keys=True, separators=(",", ":"))]
     argv += list(srv.extra_args)
     return argv
@@ -51,7 +54,7 @@ def server_argv(policy: Policy, *, executable: list[str] | None = None, redact: 
 
 def server_env(policy: Policy) -> dict[str, str]:
     """Environment the server process needs: telemetry off, plus tier credentials."""
-    env = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
+    env = dict(LMCACHE_QUIET)
     for tier in policy.l2:
         env.update(tier.server_env())
     return env

@@ -3,7 +3,7 @@
 Loaded only by LMCache's MP server, through its ``plugin`` L2 adapter type; nothing in prefixshare imports
 this module (it imports LMCache and Mooncake at top level). The ``mooncake_store`` tier renders the spec::
 
-    {"type": "plugin", "module_path": "prefixshare.tiers._mooncake_adapter",
+    {"type": "plugin", "module_path": "prefixshare.server.plugins.mooncake",
      "class_name": "MooncakeStoreL2Adapter",
      "adapter_params": {"master_server_addr": "host:port", "metadata_server": "http://host:port/metadata",
                         "local_hostname": "10.0.0.5", "protocol": "tcp", "global_segment_size": 4294967296, ...}}
@@ -25,7 +25,6 @@ Traps handled here (and tested):
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from lmcache.v1.platform import create_event_notifier
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from prefixshare._log import get_logger
+from prefixshare._net import connect_error
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -113,11 +113,7 @@ def _wait_for_master(address: str, timeout_s: float) -> None:
     host, _, port = address.rpartition(":")
 
     def refused() -> bool:
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-            return False
-        except OSError:
-            return True
+        return connect_error(host, int(port), timeout=1.0) is not None
 
     try:
         Retrying(stop=stop_after_delay(timeout_s), wait=wait_fixed(0.2), retry=retry_if_result(bool))(refused)

@@ -1,0 +1,42 @@
+"""Every use of SGLang's and LMCache's internals by the SGLang backend, in one place.
+
+The backend subclasses SGLang's LMCache tree cache and reaches into state that SGLang and LMCache keep for
+themselves: the per-request "already in the store" mark of LMCache's SGLang connector, its store-completion
+hook, and the tree cache's prefetch bookkeeping. A new SGLang or LMCache version that renames one of these
+breaks here, not across the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def submitted_tokens(connector: Any) -> dict[str, int]:
+    """LMCache's per-request count of leading tokens already in the store (a lookup found them, or this
+    request stored them); a store of a request starts there."""
+    return connector._store_submitted_tokens  # type: ignore[no-any-return]
+
+
+def on_store_completed(connector: Any, callback: Callable[[Any, bool], None]) -> None:
+    """Call ``callback(operation, ok)`` whenever LMCache reports a store operation finished."""
+    complete = connector.complete_store
+
+    def complete_store(operation: Any, *args: Any, **kwargs: Any) -> bool:
+        ok = complete(operation, *args, **kwargs)
+        callback(operation, ok)
+        return ok
+
+    connector.complete_store = complete_store
+
+
+def drop_prefetch(cache: Any, rid: str, handle: Any) -> None:
+    """Forget a request's store lookup in the tree cache: SGLang computes the prompt itself."""
+    cache._external_flows.pop(rid, None)
+    cache.prefetch_loaded_tokens_by_reqid[handle] = 0
+    cache.prefetch_loaded_storage_start_by_reqid.pop(handle, None)
+
+
+def external_flow(cache: Any, rid: str) -> Any:
+    """The tree cache's record of a request's store lookup (None when it has none)."""
+    return cache._external_flows.get(rid)

@@ -1,0 +1,458 @@
+"""prefixshare's vLLM connector: LMCache's MP connector plus namespace, admission and bounded loads.
+
+vLLM loads it by module path (``kv_connector_module_path``), in the scheduler process (scheduler side)
+and in every worker (worker side), so requests that arrive through ``vllm serve``'s HTTP API are covered
+exactly like those of application code. What it adds to LMCache's connector:
+
+* **namespace** — the model name sent to the MP server is ``prefixshare-<fingerprint>``: KV written by an
+  engine with another fingerprint (weights, tokenizer, dtype, layout, block/chunk size, TP/PP, tenant) is
+  never looked up;
+* **admission** — the policy's rules decide, per request, whether its KV is stored (a refused request
+  still loads what others stored);
+* **tenants** — a request's tenant (``kv_transfer_params["prefixshare.tenant"]``) becomes part of its cache
+  salt, so tenants never hit each other's KV;
+* **bounded loads** — failed loads are recomputed (``kv_load_failure_policy=recompute``), RPCs to the server
+  are bounded by the policy's load timeout, and a lookup that outlives it is abandoned (recompute);
+* **stats** — counters and structured log events, published for :meth:`PrefixShare.stats`;
+* **cost-aware loading** (policy ``load.mode: auto``) — a load happens only when it is predicted faster
+  than recomputing the prefix (see :mod:`prefixshare.runtime._cost`); the prefill-rate estimate comes from
+  this scheduler's own step timings (``build_connector_meta`` -> ``update_connector_output``).
+
+Both sides build the same namespace from the connector's extra config alone.
+
+The connector is one class because vLLM instantiates one class per role; its work is split by role, as vLLM's
+own connectors do: the scheduler process delegates to :class:`SchedulerSide`, each worker to
+:class:`WorkerSide`. The hook methods below only forward to LMCache's connector and to the side of their role.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
+
+from prefixshare.adapters.vllm import _compat
+from prefixshare.adapters.vllm._settings import engine_settings, model_dirs
+from prefixshare.runtime import ConnectorRuntime, PortCheck, RequestInfo, port_open
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import Request
+
+#: LMCache MP connector settings we default (users may override them in the extra config)
+HEARTBEAT_S = 1.0
+_BYPASS = LMCacheMPRequestState.BYPASS_LMCACHE
+
+
+def _mp_address(extra: dict[str, Any]) -> tuple[str, int] | None:
+    """(host, port) of the MP server's request socket, from the connector's extra config."""
+    raw = str(extra.get("lmcache.mp.host", ""))
+    scheme, _, host = raw.rpartition("://")
+    if scheme not in ("", "tcp"):
+        return None  # ipc:// and other transports: no TCP port to check
+    try:
+        return (host, int(extra["lmcache.mp.port"])) if host else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class PrefixShareConnector(LMCacheMPConnector):
+    """LMCache's MP connector, namespaced by compatibility fingerprint and governed by a Policy."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        kt = vllm_config.kv_transfer_config
+        assert kt is not None
+        extra = kt.kv_connector_extra_config
+        role_name = "scheduler" if str(getattr(role, "name", role)).upper().endswith("SCHEDULER") else "worker"
+        model_dir, tokenizer_dir = model_dirs(vllm_config)
+        self.prefixshare = ConnectorRuntime(
+            extra, model_dir=model_dir, tokenizer_dir=tokenizer_dir, settings=engine_settings(vllm_config),
+            role=role_name,
+        )
+        policy = self.prefixshare.policy
+        # A load that fails must mean recompute, never an errored request (vLLM's default is "fail").
+        kt.kv_load_failure_policy = "recompute"
+        # Bound every RPC to the server (LMCache's default is 300 s: a dead server would stall the engine).
+        extra.setdefault("lmcache.mp.mq_timeout", policy.load.timeout_s)
+        extra.setdefault("lmcache.mp.heartbeat_interval", HEARTBEAT_S)
+        extra.setdefault("lmcache.mp.host", f"tcp://{policy.server.host}")
+        extra.setdefault("lmcache.mp.port", policy.server.port)
+        address = _mp_address(extra)
+        super().__init__(vllm_config, role, kv_cache_config)
+        for side in ("scheduler_adapter", "worker_adapter"):
+            adapter = getattr(self, side, None)
+            if adapter is not None:
+                adapter.model_name = self.prefixshare.namespace
+        self.scheduler_side = SchedulerSide(self, address) if role_name == "scheduler" else None
+        self.worker_side = WorkerSide(self, address) if role_name == "worker" else None
+
+    # --- scheduler role: LMCache's connector, then SchedulerSide ---------------------------------------------
+    def _get_or_create_request_tracker(self, request: Request) -> Any:
+        fresh = request.request_id not in self.request_trackers
+        tracker = super()._get_or_create_request_tracker(request)
+        if self.scheduler_side is not None:
+            self.scheduler_side.on_tracker(request, tracker, fresh)
+        return tracker
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        side = self.scheduler_side
+        assert side is not None
+        tracker = self._get_or_create_request_tracker(request)
+        bypass = side.before_lookup(request, tracker, num_computed_tokens)
+        if bypass is not None:
+            return bypass
+        failed_load = side.load_failed(request, tracker)
+        # LMCache's connector stamps lookup_started_at on the first call and clears it when the answer comes;
+        # an answer on that first call leaves no stamp, so remember when this call began.
+        started = tracker.lookup_started_at or time.monotonic()
+        matched, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return side.after_lookup(request, tracker, num_computed_tokens, started, failed_load, matched, is_async)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        side = self.scheduler_side
+        loading = side is not None and side.loading()
+        meta = super().build_connector_meta(scheduler_output)
+        if side is not None:
+            side.on_step_scheduled(scheduler_output, loading)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        if self.scheduler_side is not None:
+            self.scheduler_side.on_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        side = self.scheduler_side
+        stored = side.before_request_finished(request) if side is not None else 0
+        result = super().request_finished(request, block_ids)
+        self.prefixshare.finish(request.request_id, stored)
+        return result
+
+    # --- worker role: WorkerSide's gate, then LMCache's connector ---------------------------------------------
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.worker_side is not None:
+            self.worker_side.gate("RETRIEVE")
+        super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_save(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.gate("STORE")
+        super().wait_for_save()
+
+    # --- both roles -----------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.prefixshare.publish(force=True)
+        if self.prefixshare.cost is not None:
+            self.prefixshare.cost.save(force=True)
+        super().shutdown()
+
+
+class SchedulerSide:
+    """prefixshare's work in vLLM's scheduler process, around LMCache's scheduler adapter.
+
+    Per request: admission and store salt (:meth:`on_tracker`); before a lookup, the gates that skip the store
+    (load mode, the store's health, the cost model; :meth:`before_lookup`); after it, the fallbacks (failed
+    load, lost server, a lookup that outlives the load timeout or the cost deadline) and the lookup's
+    bookkeeping (:meth:`after_lookup`); per engine step, the prefill timings the cost model learns from.
+    """
+
+    def __init__(self, connector: PrefixShareConnector, address: tuple[str, int] | None) -> None:
+        self.connector = connector
+        self.runtime: ConnectorRuntime = connector.prefixshare
+        self.lmcache = connector.scheduler_adapter
+        #: the MP server's request port, seen open a moment ago (a burst of requests pays one connect)
+        self.port = PortCheck(address)
+        self.lookup_timeout_s = self.runtime.policy.load.timeout_s
+        self.load_mode = self.runtime.policy.load.mode
+        #: cost-aware loading: scheduler steps in flight (start, spans, had a load), requests decided on,
+        #: chunks a bypassed lookup found in the store (not re-stored, not counted as stored by us),
+        #: lookups abandoned while running (their locks are released once the server has settled them)
+        self.steps: deque[tuple[float, list[tuple[str, int, int, int]], bool]] = deque(maxlen=64)
+        self.decided: set[str] = set()
+        self.present: dict[str, int] = {}
+        self.abandoned: set[str] = set()
+
+    @property
+    def chunk(self) -> int:
+        return int(self.lmcache.lmcache_tokens_per_chunk)
+
+    # --- a request's identity -------------------------------------------------------------------------------
+    def on_tracker(self, request: Request, tracker: Any, fresh: bool) -> None:
+        """Admission and store salt, when LMCache makes a request's tracker (again, after a preemption)."""
+        rt = self.runtime
+        new = request.request_id not in rt.requests
+        if not (fresh or new):
+            return  # called on every scheduler step: a known request's tracker is already set up
+        lora = getattr(request, "lora_request", None)
+        lora_id = rt.lora_id(getattr(lora, "lora_name", None), getattr(lora, "lora_path", None)
+                             ) if lora is not None else None
+        if new:
+            info = rt.begin(request.request_id, request.prompt_token_ids or [],
+                            getattr(request, "kv_transfer_params", None))
+        else:
+            # a preempted request's tracker is rebuilt: keep the decision and salt taken at admission
+            info = rt.requests[request.request_id]
+        tracker.cache_salt = rt.salt(info, tracker.cache_salt, lora_id) or ""
+        if not info.admitted:
+            tracker.max_offload_tokens = 0
+        elif new and info.store_limit is not None:
+            current = tracker.max_offload_tokens
+            tracker.max_offload_tokens = info.store_limit if current is None else min(current, info.store_limit)
+
+    # --- before the lookup ----------------------------------------------------------------------------------
+    def before_lookup(self, request: Request, tracker: Any, num_computed_tokens: int) -> tuple[int, bool] | None:
+        """On a request's first lookup call: skip the store when the policy, its health or the cost model says
+        so. Returns the connector's answer when the lookup is skipped, None to look up."""
+        if tracker.state != LMCacheMPRequestState.PREFETCHING or tracker.lookup_started_at is not None:
+            return None
+        info = self.runtime.requests.get(request.request_id)
+        # what the engine's own prefix cache holds, reported in cached_token_stats even when no lookup runs
+        # (LMCache sets it after a lookup; the bypasses below return before one)
+        tracker.num_vllm_hit_tokens = num_computed_tokens
+        if self.load_mode == "never":
+            tracker.state = _BYPASS
+            return None
+        if not self.runtime.store_available() or not self.server_ready():
+            # The store is down (known, or found now): neither look up nor store (each would wait out the
+            # timeout; a store RPC to a dead server blocks the engine step for two RPC timeouts).
+            tracker.state = _BYPASS
+            tracker.max_offload_tokens = 0
+            self.runtime.fallback(info, "store_down")
+            return None
+        decision = self.cost_before_lookup(request, tracker, num_computed_tokens)
+        if decision == "recompute":
+            # Recomputing is predicted faster than even the largest possible hit: no lookup, nothing locked.
+            tracker.state = _BYPASS
+            self.runtime.cost_fallback(info)
+            return 0, False
+        if decision == "local":
+            # The engine's own prefix cache holds every chunk a lookup could return: skip the round trip;
+            # those chunks were stored when this engine computed (or loaded) them: not again.
+            tracker.state = _BYPASS
+            tracker.num_stored_tokens = num_computed_tokens // self.chunk * self.chunk
+            self.present[request.request_id] = tracker.num_stored_tokens
+            return 0, False
+        return None
+
+    def server_ready(self) -> bool:
+        """LMCache's own heartbeat still trusts the server and its port accepts connections (~0.1 ms locally).
+
+        Checked before each new request's lookup: a server that died since the last heartbeat (up to one
+        heartbeat interval ago) is found here, so the request skips the store at once instead of looking up
+        and then storing into a dead socket (each RPC waits out the load timeout)."""
+        if not getattr(self.lmcache, "is_healthy", True):
+            return False
+        return self.port.ok()
+
+    @staticmethod
+    def load_failed(request: Request, tracker: Any) -> bool:
+        """The engine reported this request's load as failed (LMCache's connector then bypasses itself: the
+        engine recomputes)."""
+        return (tracker.state == LMCacheMPRequestState.READY and request.num_computed_tokens == 0
+                and tracker.num_lmcache_hit_tokens > 0)
+
+    # --- after LMCache's lookup call --------------------------------------------------------------------------
+    def after_lookup(self, request: Request, tracker: Any, num_computed_tokens: int, started: float,
+                     failed_load: bool, matched: int | None, is_async: bool) -> tuple[int | None, bool]:
+        """LMCache's answer, after prefixshare's fallbacks and bookkeeping."""
+        info = self.runtime.requests.get(request.request_id)
+        if failed_load:
+            self.runtime.fallback(info, "load_failed")
+        elif (matched == 0 and info is not None and info.fallback is None and info.lookup_s is None
+              and not getattr(self.lmcache, "is_healthy", True)):
+            # LMCache answers 0 when its heartbeat lost the server during the lookup (a hung server): that is
+            # a fallback, not a miss; and storing this request would stall the engine step on the same server.
+            tracker.max_offload_tokens = 0
+            self.runtime.fallback(info, "store_down")
+            return matched, is_async
+        if matched is None:  # the lookup is still running
+            if self.abandon_if_late(request, tracker, num_computed_tokens, started, info):
+                return 0, False
+            return matched, is_async
+        skipped = info is not None and (info.fallback == "cost" or request.request_id in self.present)
+        if info is not None and info.lookup_s is None and not failed_load and not skipped:
+            seconds = time.monotonic() - started
+            self.runtime.lookup_done(info, matched, seconds)
+            if not self.cost_after_lookup(request, tracker, num_computed_tokens, seconds, info):
+                return 0, False
+        return matched, is_async
+
+    def abandon_if_late(self, request: Request, tracker: Any, num_computed_tokens: int, started: float,
+                        info: RequestInfo | None) -> bool:
+        """A lookup that outlives the load timeout (or the cost model's deadline) is abandoned: the engine
+        recomputes. The server's prefetch may still be running; its locks are released at request_finished."""
+        waited = time.monotonic() - started
+        deadline = self.cost_deadline(request, num_computed_tokens)
+        if waited <= self.lookup_timeout_s and (deadline is None or waited <= deadline):
+            return False
+        self.lmcache.cleanup_lookup_result(request.request_id)
+        self.abandoned.add(request.request_id)
+        tracker.lookup_started_at = None
+        tracker.state = _BYPASS
+        if waited > self.lookup_timeout_s:
+            # a server too slow to answer a lookup would stall the engine step that stores: don't store
+            tracker.max_offload_tokens = 0
+            self.runtime.fallback(info, "lookup_timeout")
+        else:
+            assert self.runtime.cost is not None
+            self.runtime.cost.decide_deadline(request.request_id, tracker.num_prompt_tokens, num_computed_tokens,
+                                              waited)
+            self.runtime.cost_fallback(info)
+        return True
+
+    # --- cost-aware loading (see prefixshare.runtime._cost) ---------------------------------------------------
+    def cost_before_lookup(self, request: Request, tracker: Any, num_computed_tokens: int) -> str:
+        """"load" (look up), "recompute" (predicted faster than the largest possible hit) or "local" (the
+        engine's prefix cache already holds every chunk a lookup could return)."""
+        cost = self.runtime.cost
+        if cost is None or request.request_id in self.decided:
+            return "load"
+        self.decided.add(request.request_id)
+        aligned = tracker.num_prompt_tokens // self.chunk * self.chunk
+        return cost.decide_before_lookup(request.request_id, tracker.num_prompt_tokens, num_computed_tokens,
+                                         aligned).decision
+
+    def cost_deadline(self, request: Request, num_computed_tokens: int) -> float | None:
+        cost = self.runtime.cost
+        if cost is None:
+            return None
+        return cost.lookup_deadline_s(request.num_prompt_tokens, num_computed_tokens)
+
+    def cost_after_lookup(self, request: Request, tracker: Any, num_computed_tokens: int, seconds: float,
+                          info: RequestInfo | None) -> bool:
+        """Record the lookup; False (and the lookup's locks released) when recomputing is predicted faster
+        than transferring the hit."""
+        cost = self.runtime.cost
+        if cost is None:
+            return True
+        hit = tracker.num_lmcache_hit_tokens
+        cost.observe_lookup(hit, seconds)
+        if hit <= num_computed_tokens:
+            return True
+        decision = cost.decide_after_lookup(request.request_id, tracker.num_prompt_tokens, num_computed_tokens,
+                                            hit, seconds)
+        if decision.decision == "load":
+            return True
+        # Release what the lookup locked on the server, exactly as LMCache does for chunks it will not
+        # retrieve (update_state_after_alloc -> free_lookup_locks), then recompute; the chunks are in the
+        # store already, so they are not written again.
+        self.free_locks(request, tracker, hit)
+        self.lmcache.cleanup_lookup_result(request.request_id)
+        tracker.num_lmcache_hit_tokens = 0
+        tracker.num_stored_tokens = hit
+        tracker.state = _BYPASS
+        self.present[request.request_id] = hit
+        self.runtime.cost_fallback(info)
+        return False
+
+    def free_locks(self, request: Request, tracker: Any, end: int) -> None:
+        self.lmcache.free_lookup_locks(token_ids=tracker.get_token_ids(), start=0, end=end,
+                                       request_id=request.request_id, cache_salt=tracker.cache_salt,
+                                       request_configs=tracker.request_configs)
+
+    # --- engine steps: the cost model's prefill observations -----------------------------------------------
+    def loading(self) -> bool:
+        trackers = self.connector.request_trackers.values()
+        return any(t.state == LMCacheMPRequestState.WAITING_FOR_LOAD for t in trackers)
+
+    def on_step_scheduled(self, scheduler_output: Any, loading: bool) -> None:
+        """Remember what a scheduled step computes, to time it when its output comes."""
+        if self.runtime.cost is None or scheduler_output.total_num_scheduled_tokens <= 0:
+            return  # (empty steps, e.g. while a lookup is pending, are not executed and get no connector output)
+        spans: list[tuple[str, int, int, int]] = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            start = new.num_computed_tokens
+            spans.append((new.req_id, start, start + scheduled.get(new.req_id, 0), len(new.prompt_token_ids or ())))
+        cached = scheduler_output.scheduled_cached_reqs
+        trackers = self.connector.request_trackers
+        for i, rid in enumerate(cached.req_ids):
+            tracker = trackers.get(rid)
+            start = cached.num_computed_tokens[i]
+            spans.append((rid, start, start + scheduled.get(rid, 0), tracker.num_prompt_tokens if tracker else 0))
+        self.steps.append((time.monotonic(), spans, loading))
+
+    def on_connector_output(self, connector_output: Any) -> None:
+        cost = self.runtime.cost
+        for request_id in getattr(connector_output, "finished_recving", None) or ():
+            self.runtime.load_done(request_id)
+            info = self.runtime.requests.get(request_id)
+            if cost is not None and info is not None and info.load_s is not None:
+                cost.observe_transfer(info.loaded_tokens, info.load_s)
+        self.finish_step()
+
+    def finish_step(self) -> None:
+        """The engine has executed the last scheduled step: time it (a prefill observation) and record the
+        outcome of every request whose prefill it finished. Called from whichever comes first after the
+        step: request_finished (a request that ends with its prefill) or update_connector_output."""
+        cost = self.runtime.cost
+        if cost is None or not self.steps:
+            return
+        # steps run one at a time here (the scheduler's output of a step comes before the next step)
+        began, spans, loading = self.steps.pop()
+        self.steps.clear()
+        now = time.monotonic()
+        prefill = [(start, min(end, prompt)) for _, start, end, prompt in spans if start < prompt]
+        if prefill and len(prefill) == len(spans) and not loading:
+            cost.observe_prefill(prefill, now - began)
+        for rid, start, end, prompt in spans:
+            if start < prompt <= end:  # this step finished the request's prefill
+                info = self.runtime.requests.get(rid)
+                cost.outcome(rid, finished_at=now, loaded_tokens=info.loaded_tokens if info else 0,
+                             transfer_s=info.load_s if info else None)
+
+    # --- the end of a request -------------------------------------------------------------------------------
+    def before_request_finished(self, request: Request) -> int:
+        """Settle what the request left (an abandoned lookup's locks, cost decisions); the tokens it stored."""
+        self.finish_step()
+        rid = request.request_id
+        tracker = self.connector.request_trackers.get(rid)
+        present = max(self.present.pop(rid, 0), tracker.num_lmcache_hit_tokens if tracker else 0)
+        stored = max(0, tracker.num_stored_tokens - present) if tracker is not None else 0
+        if rid in self.abandoned and tracker is not None:
+            # An abandoned lookup's prefetch has had the whole recompute to settle: release its locks now
+            # (the server releases exactly what it locked, or nothing while the prefetch still runs).
+            self.abandoned.discard(rid)
+            end = tracker.num_prompt_tokens // self.chunk * self.chunk
+            if end > 0:
+                self.free_locks(request, tracker, end)
+        self.decided.discard(rid)
+        if self.runtime.cost is not None:
+            self.runtime.cost.forget(rid)
+        return stored
+
+
+class WorkerSide:
+    """prefixshare's work in each vLLM worker: before submitting a step's transfers, check the server is there."""
+
+    def __init__(self, connector: PrefixShareConnector, address: tuple[str, int] | None) -> None:
+        self.connector = connector
+        self.address = address
+
+    def gate(self, direction: str) -> None:
+        """Before submitting stores (or retrieves) to the server, make sure it is still there.
+
+        LMCache's worker submits a store as two synchronous RPCs; against a server that died since its last
+        heartbeat each waits the full RPC timeout, inside the engine step. When the server's port refuses
+        connections we clear the worker's health flag instead: LMCache then drops the stores (and reports
+        dropped retrieves as failed: the engine recomputes), and its heartbeat re-registers the KV caches
+        and sets the flag again as soon as the server answers (a restarted server resumes sharing)."""
+        event = _compat.worker_health_event(getattr(self.connector, "worker_adapter", None))
+        if event is None or not event.is_set():
+            return
+        try:
+            metadata = self.connector._get_connector_metadata()
+        except Exception:  # noqa: BLE001 - no metadata bound: nothing to submit
+            return
+        if not any(getattr(m, "direction", None) == direction for m in getattr(metadata, "requests", ())):
+            return
+        if not port_open(self.address):
+            event.clear()
+            self.connector.prefixshare.log.warning(
+                "store.unreachable", side="worker", direction=direction.lower(),
+                address=f"{self.address[0]}:{self.address[1]}" if self.address else None,
+                action="drop this step's transfers; resume when the server answers")

@@ -1,0 +1,352 @@
+"""What every connector enforces, whatever the engine: namespace, admission, bounded loads, stats.
+
+A :class:`ConnectorRuntime` is built inside the engine's processes (scheduler side and worker side)
+from the connector's extra config alone, so requests that arrive through an engine's HTTP server are
+covered exactly like those of application code. It
+
+* computes the engine's compatibility fingerprint and turns it into the store namespace
+  (:func:`prefixshare.keys.namespace`): KV written under another fingerprint is never looked up;
+* writes the fingerprint's manifest beside the store and, when the store holds KV of other
+  fingerprints only, logs once which fields differ;
+* decides per request whether its KV may be stored (the policy's admission rules), and maps a request's
+  tenant to a cache salt so tenants never hit each other;
+* keeps the store's health (a store known to be down is skipped until it answers again) and counts every
+  fallback to recompute;
+* keeps counters (hits, tokens loaded and stored, bytes, lookup/load latency, refusals by reason,
+  fallbacks) and publishes them (:mod:`prefixshare.runtime._stats`) for :meth:`PrefixShare.stats`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefixshare import _metrics
+from prefixshare._log import get_logger
+from prefixshare.errors import IncompatibleError
+from prefixshare.fingerprint import EngineSettings, explain, lora_digest, write_manifest
+from prefixshare.keys import (
+    KEY_EXPECT,
+    KEY_INSTANCE,
+    KEY_POLICY,
+    KEY_POLICY_FILE,
+    REQ_DOCUMENT,
+    REQ_PREFIX_TOKENS,
+    REQ_STORE,
+    REQ_TENANT,
+    admission_digest,
+    engine_fingerprint,
+    namespace,
+    store_salt,
+)
+from prefixshare.plan import kv_bytes_per_token, shape_from_config
+from prefixshare.policies import AdmissionRequest, ByteBudget, Decision, Policy, Rule, policy_from_mapping
+from prefixshare.runtime._cost import CostModel, info_enabled, store_key
+from prefixshare.runtime._stats import Stats, StatsPublisher
+
+
+def load_policy(extra: dict[str, Any]) -> Policy:
+    if KEY_POLICY in extra:
+        raw = extra[KEY_POLICY]
+        return policy_from_mapping(json.loads(raw) if isinstance(raw, str) else dict(raw), source="connector config")
+    if KEY_POLICY_FILE in extra:
+        return Policy.from_yaml(str(extra[KEY_POLICY_FILE]))
+    return policy_from_mapping({}, source="default")
+
+
+def _budget_rules(rule: Rule | None) -> list[ByteBudget]:
+    found: list[ByteBudget] = []
+    stack = [rule] if rule is not None else []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ByteBudget):
+            found.append(node)
+        stack.extend(getattr(node, "rules", ()))
+        inner = getattr(node, "rule", None)
+        if isinstance(inner, Rule):
+            stack.append(inner)
+    return found
+
+
+_STORE_DISABLED = Decision(False, "request: store disabled", "request")
+_NO_RULES = Decision(True, "no admission rules", "default")
+
+
+@dataclass
+class RequestInfo:
+    """What the connector knows of one request, from admission to finish."""
+
+    request_id: str
+    prompt_tokens: int
+    document_id: str | None = None
+    tenant: str | None = None
+    admitted: bool = True
+    reason: str = ""
+    store_limit: int | None = None
+    lookup_started: float | None = None
+    lookup_s: float | None = None
+    loaded_tokens: int = 0
+    load_started: float | None = None
+    load_s: float | None = None
+    fallback: str | None = None
+    stored_tokens: int = 0
+    admission_request: AdmissionRequest | None = None
+
+
+class ConnectorRuntime(StatsPublisher):
+    """Engine-agnostic enforcement shared by the vLLM and SGLang connectors."""
+
+    def __init__(
+        self,
+        extra: dict[str, Any],
+        *,
+        model_dir: str,
+        settings: EngineSettings,
+        role: str,
+        tokenizer_dir: str | None = None,
+    ) -> None:
+        self.policy = load_policy(extra)
+        self.role = role
+        self.engine = settings.engine
+        self.instance = str(extra.get(KEY_INSTANCE) or f"{settings.engine}-{os.getpid()}")
+        self.fingerprint = engine_fingerprint(self.policy, model_dir, settings, tokenizer_dir=tokenizer_dir)
+        expected = extra.get(KEY_EXPECT)
+        if expected and expected != self.fingerprint.digest:
+            raise IncompatibleError(
+                [f"the engine's fingerprint {self.fingerprint.short} differs from the one prefixshare computed "
+                 f"before starting it ({str(expected)[:12]}); the model files changed in between"]
+            )
+        self.namespace = namespace(self.fingerprint)
+        self.log = get_logger(
+            "prefixshare.connector", engine=settings.engine, role=role, instance=self.instance,
+            fingerprint=self.fingerprint.short,
+        )
+        self.rule = self.policy.admission_rule()
+        self._budgets = _budget_rules(self.rule)
+        shape = shape_from_config(Path(model_dir) / "config.json" if Path(model_dir).is_dir() else model_dir)
+        self.kv_bytes_per_token = kv_bytes_per_token(shape, self.fingerprint.engine.kv_dtype)
+        self.stats = Stats()
+        self._lora_ids: dict[tuple[str, str | None], str] = {}
+        self.requests: dict[str, RequestInfo] = {}
+        #: cost-aware loading (scheduler side): estimates, decisions and their outcomes (see runtime._cost)
+        self.cost = CostModel(self.namespace, store=store_key(self.policy), kv_bytes_per_token=self.kv_bytes_per_token,
+                              chunk_size=self.policy.chunk_size, mode=self.policy.load.mode,
+                              log=self.log) if role == "scheduler" else None
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._next_probe = 0.0
+        if role == "scheduler":
+            self._check_store()
+        self._start_publishing()
+        self.log.info("connector.ready", namespace=self.namespace, chunk_size=self.policy.chunk_size)
+
+    # --- store manifests -----------------------------------------------------------------------------
+    def _check_store(self) -> None:
+        url = self.policy.manifest_url
+        if url is None:
+            return
+        try:
+            report = explain(url, self.fingerprint)
+            if report and all(diffs for _, diffs in report):
+                manifest, diffs = report[0]
+                self.log.warning(
+                    "store.incompatible",
+                    message="the store holds KV of other fingerprints only; nothing of it will be loaded",
+                    closest=manifest.fingerprint.short,
+                    differences=[d.message for d in diffs],
+                )
+            write_manifest(url, self.fingerprint, extra={"namespace": self.namespace, "instance": self.instance})
+        except Exception as exc:  # a store we cannot annotate must not stop serving
+            self.log.warning("store.manifest_failed", error=str(exc), store=url)
+
+    # --- health gate -----------------------------------------------------------------------------------
+    PROBE_INTERVAL_S = 1.0
+
+    def store_available(self) -> bool:
+        """False while the store is known to be down: requests then skip it entirely (no lookup, no store)
+        instead of each waiting out the timeout. The server's health endpoint and every tier are probed
+        at most once a second, and sharing resumes as soon as they answer."""
+        if self._down_since is None:
+            return True
+        now = time.monotonic()
+        if now < self._next_probe:
+            return False
+        self._next_probe = now + self.PROBE_INTERVAL_S
+        healthy = self.probe() is None
+        if healthy:
+            self.log.warning("store.recovered", down_s=round(now - self._down_since, 2))
+            self._down_since = None
+        return healthy
+
+    def probe(self) -> str | None:
+        """None when the server and every L2 tier answer, else why not (cheap; no retries)."""
+        try:
+            import httpx
+
+            if httpx.get(self.policy.server.http_url + "/healthcheck", timeout=0.25).status_code != 200:
+                return f"the LMCache server at {self.policy.server.http_url} is not healthy"
+        except Exception as exc:  # noqa: BLE001 - any failure means: down
+            return f"the LMCache server at {self.policy.server.http_url} does not answer ({exc})"
+        for tier in self.policy.l2:
+            reason = tier.probe()
+            if reason is not None:
+                return f"tier {tier.describe()}: {reason}"
+        return None
+
+    def mark_down(self, reason: str) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            self._next_probe = self._down_since + self.PROBE_INTERVAL_S
+            self.log.warning("store.down", reason=reason, probe=self.probe(),
+                             action="skip the store until the server and its tiers answer again")
+
+    # --- per request -----------------------------------------------------------------------------------
+    def begin(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...], params: dict[str, Any] | None,
+              lora_name: str | None = None) -> RequestInfo:
+        """Admission and identity of a new request (scheduler side). Idempotent per request id."""
+        with self._lock:
+            info = self.requests.get(request_id)
+            if info is not None:
+                return info
+        params = params or {}
+        doc = params.get(REQ_DOCUMENT)
+        tenant = params.get(REQ_TENANT)
+        prefix_tokens = params.get(REQ_PREFIX_TOKENS)
+        n = len(prompt_token_ids)
+        info = RequestInfo(request_id, n, document_id=doc, tenant=tenant)
+        if params.get(REQ_STORE) is False:
+            decision = _STORE_DISABLED
+        elif self.rule is None:
+            decision = _NO_RULES
+        else:
+            keyed = min(n, int(prefix_tokens)) if prefix_tokens else n
+            aligned = keyed - keyed % self.policy.chunk_size
+            # only rules read the digest (frequency, byte budget): without rules it is not computed (~32 us at 8k)
+            digest = admission_digest(prompt_token_ids if aligned == n else prompt_token_ids[:aligned],
+                                      self.policy.chunk_size) if aligned else None
+            req = AdmissionRequest(
+                prompt_tokens=n, document_id=doc, tenant=tenant, prefix_digest=digest,
+                kv_bytes=aligned * self.kv_bytes_per_token,
+            )
+            info.admission_request = req
+            decision = self.rule(req)
+        info.admitted, info.reason = decision.admit, decision.reason
+        if prefix_tokens:
+            info.store_limit = int(prefix_tokens)
+        reason = decision.reason.split(":", 1)[0]
+        with self._lock:
+            self.requests[request_id] = info
+            self.stats.requests += 1
+            if decision.admit:
+                self.stats.admitted += 1
+            else:
+                self.stats.refused[reason] += 1
+        _metrics.admission(self.engine, decision.admit, reason)
+        return info
+
+    def lora_id(self, name: str | None, path: str | None) -> str | None:
+        """What salts a LoRA request's keys: the adapter's name AND a digest of its files (config and weights),
+        so two replicas serving different adapters under one name never share KV. Hashed once per adapter and
+        process (file digests are cached by path, size and mtime); a path that cannot be read falls back to
+        the name alone, with a warning."""
+        if name is None:
+            return None
+        key = (name, path)
+        cached = self._lora_ids.get(key)
+        if cached is not None:
+            return cached
+        lora_id = name
+        if path:
+            try:
+                lora_id = f"{name}\0{lora_digest(name, path)}"
+            except Exception as exc:  # noqa: BLE001 - a remote or missing adapter path: the name still separates
+                self.log.warning("lora.unhashed", lora=name, path=path, reason=str(exc),
+                                 effect="keys salted by the adapter name only")
+        self._lora_ids[key] = lora_id
+        return lora_id
+
+    def salt(self, info: RequestInfo, request_salt: str | None, lora_name: str | None = None) -> str | None:
+        return store_salt(info.tenant, request_salt, lora_name)
+
+    def lookup_done(self, info: RequestInfo, hit_tokens: int, seconds: float | None) -> None:
+        with self._lock:
+            self.stats.lookups += 1
+            if seconds is not None:
+                self.stats.lookup_ms.append(seconds * 1e3)
+                info.lookup_s = seconds
+            if hit_tokens > 0:
+                self.stats.hits += 1
+                info.loaded_tokens = hit_tokens
+                info.load_started = time.monotonic()
+        if seconds is not None:
+            _metrics.lookup(self.engine, seconds, hit_tokens)
+
+    def load_done(self, request_id: str) -> None:
+        with self._lock:
+            info = self.requests.get(request_id)
+            if info is None or info.load_started is None or info.load_s is not None:
+                return
+            info.load_s = time.monotonic() - info.load_started
+            self.stats.load_ms.append(info.load_s * 1e3)
+        _metrics.load(self.engine, info.load_s, info.loaded_tokens, info.loaded_tokens * self.kv_bytes_per_token)
+
+    def fallback(self, info: RequestInfo | None, reason: str) -> None:
+        if reason in ("lookup_timeout", "store_down"):
+            self.mark_down(reason)
+        with self._lock:
+            self.stats.fallbacks[reason] += 1
+            if info is not None:
+                info.fallback = reason
+                info.loaded_tokens = 0
+        _metrics.fallback(self.engine, reason)
+        self.log.warning("load.fallback", reason=reason, request_id=info.request_id if info else None,
+                         action="recompute")
+
+    def cost_fallback(self, info: RequestInfo | None) -> None:
+        """A recompute chosen by the cost model: counted like other fallbacks, without a warning (nothing is
+        wrong), and whatever the lookup found is not loaded."""
+        with self._lock:
+            self.stats.fallbacks["cost"] += 1
+            if info is not None:
+                info.fallback, info.loaded_tokens, info.load_started = "cost", 0, None
+        _metrics.fallback(self.engine, "cost")
+
+    def finish(self, request_id: str, stored_tokens: int) -> RequestInfo | None:
+        with self._lock:
+            info = self.requests.pop(request_id, None)
+            if info is None:
+                return None
+            stored = stored_tokens if info.admitted else 0
+            self.stats.tokens_stored += stored
+            self.stats.bytes_stored += stored * self.kv_bytes_per_token
+            self.stats.tokens_loaded += info.loaded_tokens
+            self.stats.bytes_loaded += info.loaded_tokens * self.kv_bytes_per_token
+        if stored:
+            _metrics.stored(self.engine, stored, stored * self.kv_bytes_per_token)
+        if stored and info.admission_request is not None:
+            for budget in self._budgets:
+                budget.commit(info.admission_request)
+        if info_enabled():
+            self.log.info(
+                "request.finished", request_id=request_id, prompt_tokens=info.prompt_tokens,
+                loaded_tokens=info.loaded_tokens, stored_tokens=stored, admitted=info.admitted, reason=info.reason,
+                document_id=info.document_id, tenant=info.tenant, fallback=info.fallback,
+                lookup_ms=round(info.lookup_s * 1e3, 2) if info.lookup_s is not None else None,
+            )
+        self.publish()
+        return info
+
+    # --- stats snapshot ------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            data = self.stats.to_dict()
+        return {
+            "instance": self.instance, "role": self.role, "pid": os.getpid(), "namespace": self.namespace,
+            "fingerprint": self.fingerprint.digest, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "updated_at": time.time(), **data, **({"cost": self.cost.snapshot()} if self.cost is not None else {}),
+        }
