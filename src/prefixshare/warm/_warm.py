@@ -35,6 +35,8 @@ from prefixshare.warm._registry import DocumentRecord, Registry
 from prefixshare.warm._template import Template, as_template, prefix_ids, question_ids, tokens_digest
 
 if TYPE_CHECKING:  # pragma: no cover
+    from prefixshare.fingerprint import Fingerprint
+    from prefixshare.policies import Policy, Rule
     from prefixshare.share import PrefixShare
 
 #: tokens per engine call when warming many documents (progress is reported after each call)
@@ -215,8 +217,8 @@ def warm(
     when a document could not be warmed.
     """
     started = time.monotonic()
-    run = uuid.uuid4().hex[:8]
-    log = get_logger(__name__, run=run)
+    run_id = uuid.uuid4().hex[:8]
+    log = get_logger(__name__, run=run_id)
     eng = ps.warm_engine(engine)
     policy = ps.policy
     tokenizer = eng.tokenizer
@@ -225,6 +227,29 @@ def warm(
     limit = eng.max_model_len - max(int(reserve_tokens), 1)
 
     # 1. tokenize every document before any engine work, so a too-long one stops everything
+    planned = _plan(eng, tokenizer, template, documents, limit, split)
+
+    run = _WarmRun.open(ps, eng, policy, template, planned, run_id=run_id, log=log, started=started,
+                        tenant=tenant, cache_salt=cache_salt, force=force, progress=progress)
+
+    # 2. what is already there, what admission refuses, what must be prefilled
+    run.triage()
+    run.report_progress("plan")
+
+    # 3. prefill in batches of about batch_tokens tokens
+    run.prefill(batch_tokens)
+
+    # 4. verify that the store holds every chunk (directory tiers), then record
+    run.verify(verify, verify_timeout_s)
+    run.record()
+
+    return run.finish(strict)
+
+
+def _plan(eng: WarmEngine, tokenizer: Any, template: Template, documents: list[Document], limit: int,
+          split: bool) -> list[_Planned]:
+    """Tokenize every document; one longer than ``limit`` is split (``split``) or raises
+    :class:`DocumentTooLongError` (naming every such document)."""
     planned: list[_Planned] = []
     too_long: list[tuple[str, int]] = []
     for doc in documents:
@@ -240,129 +265,187 @@ def warm(
             too_long.append((doc.id, len(ids)))
     if too_long:
         raise DocumentTooLongError(too_long, limit, eng.max_model_len)
+    return planned
 
-    fp = eng.fingerprint()
-    ns = namespace(fp)
-    root = policy.store_root
-    dirs = policy.directories
-    registry = Registry(root) if root is not None else None
-    salt = expected_salt(tenant, cache_salt)
-    hasher = ChunkHasher(policy.chunk_size, policy.server.hash_algorithm)
-    kv_per_token = eng.kv_bytes_per_token()
-    rule = policy.admission_rule()
-    index = NamespaceIndex.scan(dirs, ns) if dirs else None
-    report = WarmReport(ns, fp.digest, eng.kind, policy.chunk_size, str(root) if root else None)
-    log.info("warm.start", documents=len(planned), namespace=ns, store=report.store, force=force)
 
-    # 2. what is already there, what admission refuses, what must be prefilled
-    todo: list[_Planned] = []
-    for item in planned:
+@dataclass
+class _WarmRun:
+    """The state one :func:`warm` call shares between its phases: the store settings, the plan, the report
+    and the progress counters."""
+
+    ps: PrefixShare
+    eng: WarmEngine
+    policy: Policy
+    template: Template
+    planned: list[_Planned]
+    run_id: str
+    log: Any
+    started: float
+    tenant: str | None
+    cache_salt: str | None
+    force: bool
+    progress: Callable[[WarmProgress], None] | None
+    fp: Fingerprint
+    ns: str
+    dirs: list[Path]
+    registry: Registry | None
+    salt: str
+    hasher: ChunkHasher
+    kv_per_token: int
+    rule: Rule | None
+    index: NamespaceIndex | None
+    report: WarmReport
+    todo: list[_Planned] = field(default_factory=list)
+    tokens_total: int = 0
+    bytes_total: int = 0
+    done: dict[str, int] = field(default_factory=lambda: {"documents": 0, "tokens": 0, "bytes": 0})
+
+    @classmethod
+    def open(cls, ps: PrefixShare, eng: WarmEngine, policy: Policy, template: Template, planned: list[_Planned],
+             *, run_id: str, log: Any, started: float, tenant: str | None, cache_salt: str | None, force: bool,
+             progress: Callable[[WarmProgress], None] | None) -> _WarmRun:
+        """Resolve the fingerprint, the store (registry, directory tiers, salt) and the admission rule; log the
+        start."""
+        fp = eng.fingerprint()
+        ns = namespace(fp)
+        root = policy.store_root
+        dirs = policy.directories
+        registry = Registry(root) if root is not None else None
+        salt = expected_salt(tenant, cache_salt)
+        hasher = ChunkHasher(policy.chunk_size, policy.server.hash_algorithm)
+        kv_per_token = eng.kv_bytes_per_token()
+        rule = policy.admission_rule()
+        index = NamespaceIndex.scan(dirs, ns) if dirs else None
+        report = WarmReport(ns, fp.digest, eng.kind, policy.chunk_size, str(root) if root else None)
+        log.info("warm.start", documents=len(planned), namespace=ns, store=report.store, force=force)
+        return cls(ps=ps, eng=eng, policy=policy, template=template, planned=planned, run_id=run_id, log=log,
+                   started=started, tenant=tenant, cache_salt=cache_salt, force=force, progress=progress, fp=fp,
+                   ns=ns, dirs=dirs, registry=registry, salt=salt, hasher=hasher, kv_per_token=kv_per_token,
+                   rule=rule, index=index, report=report)
+
+    def report_progress(self, phase: str, current: str | None = None) -> None:
+        done = self.done
+        _metrics.warm_progress(done["documents"], done["tokens"], done["bytes"], run=self.run_id,
+                               engine=self.eng.kind, total_tokens=self.tokens_total, finished=phase == "done")
+        if self.progress is not None:
+            self.progress(WarmProgress(phase, done["documents"], len(self.todo), done["tokens"], self.tokens_total,
+                                       done["bytes"], self.bytes_total, current))
+
+    def triage(self) -> None:
+        """Give every planned document its result (in the report) and collect those to prefill in ``todo``."""
+        for item in self.planned:
+            if self._needs_prefill(item):
+                self.todo.append(item)
+        self.tokens_total = sum(len(i.ids) for i in self.todo)
+        self.bytes_total = sum(i.result.bytes for i in self.todo if i.result)
+
+    def _needs_prefill(self, item: _Planned) -> bool:
+        """False when ``item`` is shorter than a chunk, already present (unless ``force``) or refused."""
+        policy = self.policy
         doc, ids = item.doc, item.ids
-        item.hashes = hasher.hashes(ids)
+        item.hashes = self.hasher.hashes(ids)
         chunk_tokens = len(item.hashes) * policy.chunk_size
         result = DocumentResult(doc.id, WARMED, len(ids), chunk_tokens, len(item.hashes),
-                                chunk_tokens * kv_per_token, doc.source, part_of=item.part_of)
+                                chunk_tokens * self.kv_per_token, doc.source, part_of=item.part_of)
         item.result = result
-        report.documents.append(result)
+        self.report.documents.append(result)
         if not item.hashes:
             result.status = TOO_SHORT
             result.reason = (f"{len(ids)} tokens is less than one chunk ({policy.chunk_size}); "
                              "nothing of it can be stored or shared")
-            continue
-        if not force:
-            present = _present(index, registry, fp.digest, item, salt)
+            return False
+        if not self.force:
+            present = _present(self.index, self.registry, self.fp.digest, item, self.salt)
             if present is not None:
                 result.status, result.verified = SKIPPED, present
                 result.reason = "already in the store"
-                if index is not None:
-                    result.bytes = index.bytes_of(item.hashes, salt) or result.bytes
-                continue
-        if rule is not None:
-            decision = rule(AdmissionRequest(prompt_tokens=len(ids), document_id=doc.id, tenant=tenant,
-                                             prefix_digest=_admission_digest(ids, policy.chunk_size),
-                                             kv_bytes=chunk_tokens * kv_per_token))
+                if self.index is not None:
+                    result.bytes = self.index.bytes_of(item.hashes, self.salt) or result.bytes
+                return False
+        if self.rule is not None:
+            decision = self.rule(AdmissionRequest(prompt_tokens=len(ids), document_id=doc.id, tenant=self.tenant,
+                                                  prefix_digest=_admission_digest(ids, policy.chunk_size),
+                                                  kv_bytes=chunk_tokens * self.kv_per_token))
             if not decision.admit:
                 result.status = REFUSED
                 result.reason = (f"the policy's admission rules refuse it ({decision.reason}); pin it to warm it: "
                                  f"admission: {{any: [pinned: [{doc.id!r}]], ...}}")
-                continue
-        todo.append(item)
+                return False
+        return True
 
-    tokens_total = sum(len(i.ids) for i in todo)
-    bytes_total = sum(i.result.bytes for i in todo if i.result)
-    done = {"documents": 0, "tokens": 0, "bytes": 0}
+    def prefill(self, batch_tokens: int) -> None:
+        """Prefill ``todo`` in batches of about ``batch_tokens`` tokens, reporting progress after each."""
+        eng, tenant, cache_salt = self.eng, self.tenant, self.cache_salt
+        if self.todo and self.force:
+            eng.reset_prefix_cache()  # a forced warm must compute (and store) again, not hit its own cache
+        for batch in _batches(self.todo, batch_tokens):
+            t0 = time.monotonic()
+            engine_salt = cache_salt or (tenant_salt(tenant) if tenant else None)  # as Prompt.engine_input
+            requests = [PrefillRequest(i.ids, _params(i.doc.id, len(i.ids), tenant), engine_salt) for i in batch]
+            results = eng.prefill(requests)
+            seconds = time.monotonic() - t0
+            batch_tokens_n = sum(len(i.ids) for i in batch) or 1
+            for item, res in zip(batch, results, strict=True):
+                assert item.result is not None
+                item.result.cached_tokens = res.cached_tokens
+                item.result.seconds = round(seconds * len(item.ids) / batch_tokens_n, 4)
+                self.done["documents"] += 1
+                self.done["tokens"] += len(item.ids)
+                self.done["bytes"] += item.result.bytes
+            self.report_progress("prefill", batch[-1].doc.id)
 
-    def report_progress(phase: str, current: str | None = None) -> None:
-        _metrics.warm_progress(done["documents"], done["tokens"], done["bytes"], run=run, engine=eng.kind,
-                               total_tokens=tokens_total, finished=phase == "done")
-        if progress is not None:
-            progress(WarmProgress(phase, done["documents"], len(todo), done["tokens"], tokens_total,
-                                  done["bytes"], bytes_total, current))
+    def verify(self, verify: bool, verify_timeout_s: float) -> None:
+        """Check that the store holds every chunk of ``todo`` (directory tiers); mark the missing ones failed."""
+        if self.todo and verify and self.dirs:
+            self.report_progress("verify")
+            self.index = index = _wait_for_chunks(self.dirs, self.ns, self.todo, self.salt, verify_timeout_s)
+            for item in self.todo:
+                assert item.result is not None
+                missing = index.missing(item.hashes, self.salt)
+                if missing:
+                    item.result.status = FAILED
+                    item.result.verified = False
+                    item.result.reason = (
+                        f"{len(missing)} of {len(item.hashes)} chunks are not in the store after "
+                        f"{verify_timeout_s:g} s; check the server log ({self.ps.server.log_path}) and ps.stats()")
+                else:
+                    item.result.verified = True
+                    item.result.bytes = index.bytes_of(item.hashes, self.salt) or item.result.bytes
+        elif self.todo and verify:
+            for item in self.todo:
+                assert item.result is not None
+                item.result.reason = "not verified: the policy has no directory (fs) tier to check"
 
-    report_progress("plan")
-
-    # 3. prefill in batches of about batch_tokens tokens
-    if todo and force:
-        eng.reset_prefix_cache()  # a forced warm must compute (and store) again, not hit its own cache
-    for batch in _batches(todo, batch_tokens):
-        t0 = time.monotonic()
-        engine_salt = cache_salt or (tenant_salt(tenant) if tenant else None)  # as Prompt.engine_input
-        requests = [PrefillRequest(i.ids, _params(i.doc.id, len(i.ids), tenant), engine_salt) for i in batch]
-        results = eng.prefill(requests)
-        seconds = time.monotonic() - t0
-        batch_tokens_n = sum(len(i.ids) for i in batch) or 1
-        for item, res in zip(batch, results, strict=True):
-            assert item.result is not None
-            item.result.cached_tokens = res.cached_tokens
-            item.result.seconds = round(seconds * len(item.ids) / batch_tokens_n, 4)
-            done["documents"] += 1
-            done["tokens"] += len(item.ids)
-            done["bytes"] += item.result.bytes
-        report_progress("prefill", batch[-1].doc.id)
-
-    # 4. verify that the store holds every chunk (directory tiers), then record
-    if todo and verify and dirs:
-        report_progress("verify")
-        index = _wait_for_chunks(dirs, ns, todo, salt, verify_timeout_s)
-        for item in todo:
-            assert item.result is not None
-            missing = index.missing(item.hashes, salt)
-            if missing:
-                item.result.status = FAILED
-                item.result.verified = False
-                item.result.reason = (
-                    f"{len(missing)} of {len(item.hashes)} chunks are not in the store after "
-                    f"{verify_timeout_s:g} s; check the server log ({ps.server.log_path}) and ps.stats()")
-            else:
-                item.result.verified = True
-                item.result.bytes = index.bytes_of(item.hashes, salt) or item.result.bytes
-    elif todo and verify:
-        for item in todo:
-            assert item.result is not None
-            item.result.reason = "not verified: the policy has no directory (fs) tier to check"
-
-    if registry is not None:
-        model = getattr(eng, "model_dir", None)
+    def record(self) -> None:
+        """Record every warmed or skipped document in the store's registry (when the store has one)."""
+        registry = self.registry
+        if registry is None:
+            return
+        model = getattr(self.eng, "model_dir", None)
         model_dir = model() if callable(model) else None
-        objects = sorted(index.expected_objects()) if index is not None else []
-        for item in planned:
+        objects = sorted(self.index.expected_objects()) if self.index is not None else []
+        for item in self.planned:
             res = item.result
             if res is None or res.status not in (WARMED, SKIPPED):
                 continue
-            existing = registry.get(fp.digest, item.doc.id)
+            existing = registry.get(self.fp.digest, item.doc.id)
             if res.status == SKIPPED and existing is not None and existing.prefix_digest == tokens_digest(item.ids):
                 continue
-            registry.put(_record(item, res, fp.digest, ns, policy.chunk_size, objects, salt, tenant, template,
-                                 model_dir, eng.kind))
+            registry.put(_record(item, res, self.fp.digest, self.ns, self.policy.chunk_size, objects, self.salt,
+                                 self.tenant, self.template, model_dir, self.eng.kind))
 
-    report.seconds = time.monotonic() - started
-    report_progress("done")
-    totals = report.totals()
-    log.info("warm.done", seconds=round(report.seconds, 2), **totals)
-    if strict and report.failed:
-        lines = "; ".join(f"{d.id}: {d.reason}" for d in report.failed)
-        raise WarmError(f"{len(report.failed)} of {len(report.documents)} documents were not warmed: {lines}", report)
-    return report
+    def finish(self, strict: bool) -> WarmReport:
+        """Report the end; with ``strict``, raise :class:`WarmError` when a document could not be warmed."""
+        report = self.report
+        report.seconds = time.monotonic() - self.started
+        self.report_progress("done")
+        totals = report.totals()
+        self.log.info("warm.done", seconds=round(report.seconds, 2), **totals)
+        if strict and report.failed:
+            lines = "; ".join(f"{d.id}: {d.reason}" for d in report.failed)
+            raise WarmError(f"{len(report.failed)} of {len(report.documents)} documents were not warmed: {lines}",
+                            report)
+        return report
 
 
 def _present(index: NamespaceIndex | None, registry: Registry | None, fingerprint: str, item: _Planned,
