@@ -97,7 +97,7 @@ def fingerprint(
     fp = compute_fingerprint(model_dir, settings, weights=mode, revision=revision, cache_dir=cache_dir)
     if against is None:
         if as_json:
-            emit_json({"digest": fp.digest, "short": fp.short, "fingerprint": fp.model_dump(mode="json")})
+            emit_json(_fingerprint_json(fp))
         else:
             _print_table(fp)
         raise typer.Exit(EXIT_OK)
@@ -105,24 +105,7 @@ def fingerprint(
     kind, comparisons, corrupt = _compare(fp, against, settings, mode, cache_dir)
     identical = any(not diffs for _, _, diffs in comparisons)
     if as_json:
-        emit_json(
-            {
-                "digest": fp.digest,
-                "short": fp.short,
-                "fingerprint": fp.model_dump(mode="json"),
-                "against": {"source": against, "kind": kind, "corrupt_manifests": corrupt},
-                "identical": identical,
-                "comparisons": [
-                    {
-                        "label": label,
-                        "digest": digest,
-                        "identical": not diffs,
-                        "differences": [d.model_dump(mode="json") for d in diffs],
-                    }
-                    for label, digest, diffs in comparisons
-                ],
-            }
-        )
+        emit_json(_comparison_json(fp, against, kind, comparisons, corrupt, identical))
     else:
         _print_comparisons(fp, against, comparisons, corrupt)
         hint = None if identical or kind == "model" else _settings_hint(comparisons, _given_options(ctx))
@@ -132,6 +115,36 @@ def fingerprint(
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+def _fingerprint_json(fp: Fingerprint) -> dict[str, Any]:
+    """The ``--json`` output for one fingerprint: its digest, short form and fields."""
+    return {"digest": fp.digest, "short": fp.short, "fingerprint": fp.model_dump(mode="json")}
+
+
+def _comparison_json(
+    fp: Fingerprint,
+    against: str,
+    kind: str,
+    comparisons: list[tuple[str, str, list[Difference]]],
+    corrupt: list[dict[str, str]],
+    identical: bool,
+) -> dict[str, Any]:
+    """The ``--json`` output with ``--against``: the fingerprint, what it was compared with, and each diff."""
+    return {
+        **_fingerprint_json(fp),
+        "against": {"source": against, "kind": kind, "corrupt_manifests": corrupt},
+        "identical": identical,
+        "comparisons": [
+            {
+                "label": label,
+                "digest": digest,
+                "identical": not diffs,
+                "differences": [d.model_dump(mode="json") for d in diffs],
+            }
+            for label, digest, diffs in comparisons
+        ],
+    }
 
 
 def _settings(**values: Any) -> EngineSettings:

@@ -78,99 +78,106 @@ def _problems_json(exc: Any) -> list[dict[str, Any]]:
 
 def register(app: typer.Typer) -> None:
     policy_app = typer.Typer(help="Write, check and render policies.", no_args_is_help=True)
-
-    @policy_app.command("init")
-    @handles_errors
-    def init(
-        preset: str = typer.Option("single-node", "--preset", help="Shipped preset to start from."),
-        store: str | None = typer.Option(None, "--store", help="Directory for the fs tier (absolute)."),
-        list_: bool = typer.Option(False, "--list", help="List the shipped presets."),
-        json: bool = JSON_OPTION,
-    ) -> None:
-        """Print a commented starter policy (YAML) on stdout.
-
-        --json prints {"preset", "store", "yaml", "settings"}: "yaml" is the starter file's text (write it out
-        as is), "settings" the fields it sets as a mapping (not validated: the --store directory may not exist
-        yet). --list --json prints [{"name", "description"}], one per shipped preset."""
-        import yaml
-
-        from prefixshare.policies import list_presets
-
-        if list_:
-            if json:
-                emit_json([{"name": name, "description": _preset_description(name)} for name in list_presets()])
-            else:
-                out.print("\n".join(list_presets()))
-            return
-        if store is not None:
-            store = str(Path(store).expanduser().absolute())
-        text = _starter(preset, store)
-        if json:
-            emit_json({"preset": preset, "store": store, "yaml": text, "settings": yaml.safe_load(text)})
-            return
-        typer.echo(text, nl=False)
-
-    @policy_app.command("validate")
-    @handles_errors
-    def validate(file: Path = typer.Argument(..., help="Policy YAML file."), json: bool = JSON_OPTION) -> None:
-        """Check a policy: exit 0 when valid, 2 with every field-level problem."""
-        from prefixshare.errors import PolicyError
-        from prefixshare.policies import Policy
-
-        try:
-            policy = Policy.from_yaml(str(file))
-        except PolicyError as exc:
-            if json:
-                emit_json({"valid": False, "file": str(file), "problems": _problems_json(exc)})
-            else:
-                err.print(f"[bold red]invalid:[/] {exc}")
-            raise typer.Exit(EXIT_BAD_INPUT) from None
-        summary = {
-            "valid": True,
-            "file": str(file),
-            "name": policy.name,
-            "chunk_size": policy.chunk_size,
-            "l1_gb": policy.l1.size_gb,
-            "l2": [t.describe() for t in policy.l2],
-            "server": policy.server.url,
-            "tenant": policy.tenant,
-        }
-        if json:
-            emit_json(summary)
-        else:
-            tiers = ", ".join(summary["l2"]) or "none (CPU memory only)"
-            out.print(f"[green]valid[/]: {file} — chunk {policy.chunk_size} tokens, L1 {policy.l1.size_gb} GB, "
-                      f"L2: {tiers}, server {policy.server.url}")
-
-    @policy_app.command("render")
-    @handles_errors
-    def render(
-        file: Path = typer.Argument(..., help="Policy YAML file."),
-        json: bool = JSON_OPTION,
-        show_secrets: bool = typer.Option(False, "--show-secrets", help="Do not mask passwords."),
-    ) -> None:
-        """Show the LMCache MP server command line and the in-process engine config a policy implies."""
-        from prefixshare.policies import Policy, legacy_config, legacy_yaml, server_argv, server_env
-
-        policy = Policy.from_yaml(str(file))
-        argv = server_argv(policy, executable=["lmcache"], redact=not show_secrets)
-        env = {k: ("***" if "PASSWORD" in k and not show_secrets else v) for k, v in server_env(policy).items()}
-        legacy = legacy_config(policy)
-        if json:
-            emit_json({"server_argv": argv, "server_env": env, "legacy_config": legacy})
-            return
-        out.print("[bold]# LMCache MP server[/]")
-        typer.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " \\")
-        lines, i = [" ".join(shlex.quote(a) for a in argv[:1] + ["server"])], argv.index("server") + 1
-        while i < len(argv):  # one "--flag value" per line
-            flag = argv[i]
-            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            lines.append(f"{flag} {shlex.quote(argv[i + 1])}" if has_value else flag)
-            i += 2 if has_value else 1
-        typer.echo(" \\\n    ".join(lines))
-        out.print("\n[bold]# in-process engine (LMCACHE_CONFIG_FILE)[/]")
-        typer.echo(legacy_yaml(policy), nl=False)
-        for note in legacy["_notes"]:
-            out.print(f"# note: {note}")
-
+    policy_app.command("init")(init_cmd)
+    policy_app.command("validate")(validate_cmd)
+    policy_app.command("render")(render_cmd)
     app.add_typer(policy_app, name="policy")
+
+
+@handles_errors
+def init_cmd(
+    preset: str = typer.Option("single-node", "--preset", help="Shipped preset to start from."),
+    store: str | None = typer.Option(None, "--store", help="Directory for the fs tier (absolute)."),
+    list_: bool = typer.Option(False, "--list", help="List the shipped presets."),
+    json: bool = JSON_OPTION,
+) -> None:
+    """Print a commented starter policy (YAML) on stdout.
+
+    --json prints {"preset", "store", "yaml", "settings"}: "yaml" is the starter file's text (write it out
+    as is), "settings" the fields it sets as a mapping (not validated: the --store directory may not exist
+    yet). --list --json prints [{"name", "description"}], one per shipped preset."""
+    import yaml
+
+    from prefixshare.policies import list_presets
+
+    if list_:
+        if json:
+            emit_json([{"name": name, "description": _preset_description(name)} for name in list_presets()])
+        else:
+            out.print("\n".join(list_presets()))
+        return
+    if store is not None:
+        store = str(Path(store).expanduser().absolute())
+    text = _starter(preset, store)
+    if json:
+        emit_json({"preset": preset, "store": store, "yaml": text, "settings": yaml.safe_load(text)})
+        return
+    typer.echo(text, nl=False)
+
+
+@handles_errors
+def validate_cmd(file: Path = typer.Argument(..., help="Policy YAML file."), json: bool = JSON_OPTION) -> None:
+    """Check a policy: exit 0 when valid, 2 with every field-level problem."""
+    from prefixshare.errors import PolicyError
+    from prefixshare.policies import Policy
+
+    try:
+        policy = Policy.from_yaml(str(file))
+    except PolicyError as exc:
+        if json:
+            emit_json({"valid": False, "file": str(file), "problems": _problems_json(exc)})
+        else:
+            err.print(f"[bold red]invalid:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    summary = {
+        "valid": True,
+        "file": str(file),
+        "name": policy.name,
+        "chunk_size": policy.chunk_size,
+        "l1_gb": policy.l1.size_gb,
+        "l2": [t.describe() for t in policy.l2],
+        "server": policy.server.url,
+        "tenant": policy.tenant,
+    }
+    if json:
+        emit_json(summary)
+    else:
+        tiers = ", ".join(summary["l2"]) or "none (CPU memory only)"
+        out.print(f"[green]valid[/]: {file} — chunk {policy.chunk_size} tokens, L1 {policy.l1.size_gb} GB, "
+                  f"L2: {tiers}, server {policy.server.url}")
+
+
+@handles_errors
+def render_cmd(
+    file: Path = typer.Argument(..., help="Policy YAML file."),
+    json: bool = JSON_OPTION,
+    show_secrets: bool = typer.Option(False, "--show-secrets", help="Do not mask passwords."),
+) -> None:
+    """Show the LMCache MP server command line and the in-process engine config a policy implies."""
+    from prefixshare.policies import Policy, legacy_config, legacy_yaml, server_argv, server_env
+
+    policy = Policy.from_yaml(str(file))
+    argv = server_argv(policy, executable=["lmcache"], redact=not show_secrets)
+    env = {k: ("***" if "PASSWORD" in k and not show_secrets else v) for k, v in server_env(policy).items()}
+    legacy = legacy_config(policy)
+    if json:
+        emit_json({"server_argv": argv, "server_env": env, "legacy_config": legacy})
+        return
+    out.print("[bold]# LMCache MP server[/]")
+    typer.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " \\")
+    typer.echo(" \\\n    ".join(_server_argv_lines(argv)))
+    out.print("\n[bold]# in-process engine (LMCACHE_CONFIG_FILE)[/]")
+    typer.echo(legacy_yaml(policy), nl=False)
+    for note in legacy["_notes"]:
+        out.print(f"# note: {note}")
+
+
+def _server_argv_lines(argv: list[str]) -> list[str]:
+    """The server command line split for display: the executable and ``server``, then one "--flag value" per line."""
+    lines, i = [" ".join(shlex.quote(a) for a in argv[:1] + ["server"])], argv.index("server") + 1
+    while i < len(argv):  # one "--flag value" per line
+        flag = argv[i]
+        has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        lines.append(f"{flag} {shlex.quote(argv[i + 1])}" if has_value else flag)
+        i += 2 if has_value else 1
+    return lines

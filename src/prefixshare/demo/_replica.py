@@ -62,78 +62,102 @@ def main() -> None:
     template = Template.chat(system=spec["system"])
     result: dict[str, Any] = {"role": role}
     if role == "cold":
-        from prefixshare.adapters.vllm import fix_in_process_engine
-
-        fix_in_process_engine()
-        llm = vllm.LLM(**spec["engine"])
-        result["engine_s"] = time.perf_counter() - started
-        from prefixshare.warm import prefix_ids, question_ids
-
-        tok = llm.get_tokenizer()
-        resolved = template.resolve(tok)
-        manual = Path(spec["manual"]).read_text(encoding="utf-8")
-        head = prefix_ids(tok, resolved, manual)
-        first_q = question_ids(tok, resolved, spec["questions"][0])
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": _prime_ids(len(head)) + first_q}], _params(vllm, None), use_tqdm=False)
-        result["warmup_s"] = time.perf_counter() - t0
-        rows = []
-        for question in spec["questions"]:
-            ids = head + question_ids(tok, resolved, question)
-            _reset(llm)
-            t0 = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": ids}], _params(vllm, None), use_tqdm=False)[0]
-            ttft = time.perf_counter() - t0
-            token, logprob = _first(out)
-            rows.append({"question": question, "prompt_tokens": len(ids), "prefix_tokens": len(head),
-                         "ttft_s": ttft, "cached_tokens": int(out.num_cached_tokens or 0), "first_token": token,
-                         "first_logprob": logprob, "prompt": ids})
-        result["questions"] = rows
+        result.update(_run_cold(vllm, spec, template, started))
     else:
         from prefixshare.share import PrefixShare
-        from prefixshare.warm import prompt_for, warm
 
         ps = PrefixShare(spec["policy_file"], server=False, instance=spec["instance"])
         llm = ps.attach(spec["engine"])
         result["engine_s"] = time.perf_counter() - started
         if role == "warm":
-            t0 = time.perf_counter()
-            report = warm(ps, [spec["manual"]], llm, prefix=template, strict=False)
-            result["warm_s"] = time.perf_counter() - t0
-            result["report"] = report.to_dict()
-            # the warm-up prefix replica B loads before its measured questions (see _prime_ids)
-            n = report.documents[0].tokens
-            llm.generate([{"prompt_token_ids": _prime_ids(n)}],
-                         _params(vllm, {"prefixshare.document_id": "demo-warmup", "prefixshare.prefix_tokens": n}),
-                         use_tqdm=False)
+            result.update(_run_warm(vllm, ps, llm, spec, template))
         else:
-            first = prompt_for(ps, spec["manual"], spec["questions"][0], prefix=template)
-            prime = _prime_ids(first.prefix_tokens) + first.token_ids[first.prefix_tokens:]
-            t0 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prime}],
-                         _params(vllm, {"prefixshare.prefix_tokens": first.prefix_tokens}), use_tqdm=False)
-            result["warmup_s"] = time.perf_counter() - t0
-            rows = []
-            for question in spec["questions"]:
-                prompt = prompt_for(ps, spec["manual"], question, prefix=template)
-                _reset(llm)  # the manual must come from the store, not this replica's own cache
-                before = ps.stats()
-                t0 = time.perf_counter()
-                out = llm.generate([prompt.engine_input()], _params(vllm, prompt.kv_transfer_params),
-                                   use_tqdm=False)[0]
-                ttft = time.perf_counter() - t0
-                after = _settled_stats(ps, before)
-                token, logprob = _first(out)
-                rows.append({"question": question, "prompt_tokens": len(prompt), "prefix_tokens": prompt.prefix_tokens,
-                             "ttft_s": ttft, "cached_tokens": int(out.num_cached_tokens or 0),
-                             "tokens_loaded": after["tokens_loaded"] - before["tokens_loaded"],
-                             "bytes_loaded": after["bytes_loaded"] - before["bytes_loaded"],
-                             "first_token": token, "first_logprob": logprob, "prompt": prompt.token_ids})
-            result["questions"] = rows
-            result["stats"] = ps.stats()
+            result.update(_run_serve(vllm, ps, llm, spec, template))
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
     os._exit(0)  # the process is done; an in-process engine's teardown only costs time
+
+
+def _run_cold(vllm: Any, spec: dict[str, Any], template: Any, started: float) -> dict[str, Any]:
+    """The cold replica: vLLM without prefixshare answers every question, prefilling the manual each time."""
+    from prefixshare.adapters.vllm import fix_in_process_engine
+
+    fix_in_process_engine()
+    llm = vllm.LLM(**spec["engine"])
+    result: dict[str, Any] = {"engine_s": time.perf_counter() - started}
+    from prefixshare.warm import prefix_ids, question_ids
+
+    tok = llm.get_tokenizer()
+    resolved = template.resolve(tok)
+    manual = Path(spec["manual"]).read_text(encoding="utf-8")
+    head = prefix_ids(tok, resolved, manual)
+    first_q = question_ids(tok, resolved, spec["questions"][0])
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": _prime_ids(len(head)) + first_q}], _params(vllm, None), use_tqdm=False)
+    result["warmup_s"] = time.perf_counter() - t0
+    rows = []
+    for question in spec["questions"]:
+        ids = head + question_ids(tok, resolved, question)
+        _reset(llm)
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": ids}], _params(vllm, None), use_tqdm=False)[0]
+        ttft = time.perf_counter() - t0
+        token, logprob = _first(out)
+        rows.append({"question": question, "prompt_tokens": len(ids), "prefix_tokens": len(head),
+                     "ttft_s": ttft, "cached_tokens": int(out.num_cached_tokens or 0), "first_token": token,
+                     "first_logprob": logprob, "prompt": ids})
+    result["questions"] = rows
+    return result
+
+
+def _run_warm(vllm: Any, ps: Any, llm: Any, spec: dict[str, Any], template: Any) -> dict[str, Any]:
+    """Replica A: warm the manual into the store, then run replica B's warm-up prefix once."""
+    from prefixshare.warm import warm
+
+    t0 = time.perf_counter()
+    report = warm(ps, [spec["manual"]], llm, prefix=template, strict=False)
+    result: dict[str, Any] = {"warm_s": time.perf_counter() - t0, "report": report.to_dict()}
+    # the warm-up prefix replica B loads before its measured questions (see _prime_ids)
+    n = report.documents[0].tokens
+    llm.generate([{"prompt_token_ids": _prime_ids(n)}],
+                 _params(vllm, {"prefixshare.document_id": "demo-warmup", "prefixshare.prefix_tokens": n}),
+                 use_tqdm=False)
+    return result
+
+
+def _run_serve(vllm: Any, ps: Any, llm: Any, spec: dict[str, Any], template: Any) -> dict[str, Any]:
+    """Replica B: answer every question through prefixshare, the manual loaded from the store."""
+    from prefixshare.warm import prompt_for
+
+    first = prompt_for(ps, spec["manual"], spec["questions"][0], prefix=template)
+    prime = _prime_ids(first.prefix_tokens) + first.token_ids[first.prefix_tokens:]
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prime}],
+                 _params(vllm, {"prefixshare.prefix_tokens": first.prefix_tokens}), use_tqdm=False)
+    result: dict[str, Any] = {"warmup_s": time.perf_counter() - t0}
+    result["questions"] = [_serve_question(vllm, ps, llm, spec, template, question) for question in spec["questions"]]
+    result["stats"] = ps.stats()
+    return result
+
+
+def _serve_question(vllm: Any, ps: Any, llm: Any, spec: dict[str, Any], template: Any, question: str) -> dict[str, Any]:
+    """Replica B answers one question: its TTFT, first token and what it loaded from the store."""
+    from prefixshare.warm import prompt_for
+
+    prompt = prompt_for(ps, spec["manual"], question, prefix=template)
+    _reset(llm)  # the manual must come from the store, not this replica's own cache
+    before = ps.stats()
+    t0 = time.perf_counter()
+    out = llm.generate([prompt.engine_input()], _params(vllm, prompt.kv_transfer_params),
+                       use_tqdm=False)[0]
+    ttft = time.perf_counter() - t0
+    after = _settled_stats(ps, before)
+    token, logprob = _first(out)
+    return {"question": question, "prompt_tokens": len(prompt), "prefix_tokens": prompt.prefix_tokens,
+            "ttft_s": ttft, "cached_tokens": int(out.num_cached_tokens or 0),
+            "tokens_loaded": after["tokens_loaded"] - before["tokens_loaded"],
+            "bytes_loaded": after["bytes_loaded"] - before["bytes_loaded"],
+            "first_token": token, "first_logprob": logprob, "prompt": prompt.token_ids}
 
 
 def _settled_stats(ps: Any, before: dict[str, Any]) -> dict[str, Any]:

@@ -24,10 +24,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixshare._paths import cache_dir
 from prefixshare.errors import ServerError
+
+if TYPE_CHECKING:
+    from prefixshare.policies import Policy
 
 SYSTEM = "You are the prefixshare support assistant. Answer from the operator's manual below."
 QUESTIONS = (
@@ -147,9 +150,7 @@ def run_demo(*, quick: bool = False, out_dir: Path | None = None, manual: Path |
              log: Any = print) -> DemoResult:
     """Run the demo end to end; ``log(str)`` receives one line per step."""
     from prefixshare.model import ensure_model
-    from prefixshare.policies import Policy
-    from prefixshare.server import LMCacheServer
-    from prefixshare.warm import ENGINE_ENV, QUIET_ENV, vllm_engine_kwargs
+    from prefixshare.warm import vllm_engine_kwargs
 
     cfg = DemoConfig.quick() if quick else DemoConfig.full()
     t_start = time.perf_counter()
@@ -158,16 +159,46 @@ def run_demo(*, quick: bool = False, out_dir: Path | None = None, manual: Path |
     root.mkdir(parents=True, exist_ok=True)
     store = root / "store"
     shutil.rmtree(store, ignore_errors=True)  # the demo shows a first warm: start from an empty store
-    manual_path = manual or find_manual()
-    text = manual_text(manual_path, cfg.sections)
-    manual_copy = root / "manual.md"
-    manual_copy.write_text(text, encoding="utf-8")
+    manual_copy = _copy_manual(root, manual, cfg)
 
     t0 = time.perf_counter()
     model_dir = cache_dir() / "models" / f"{cfg.shape}-seed0"
     log(f"[1/5] model: {cfg.shape} shape at {model_dir}")
     model = ensure_model(model_dir, shape=cfg.shape, seed=0)
     timings["model_s"] = time.perf_counter() - t0
+
+    policy, policy_file = _write_policy(root, store, cfg)
+    engine = vllm_engine_kwargs(policy, str(model), dtype="float32", block_size=cfg.block_size,
+                                max_model_len=cfg.max_model_len)
+    common = {"manual": str(manual_copy), "system": SYSTEM, "questions": list(QUESTIONS),
+              "policy_file": str(policy_file)}
+    warm, cold, served = _run_replicas(root, policy, store, common, engine, timings, log)
+
+    doc = warm["report"]["documents"][0]
+    rows = _compare_rows(cold, served)
+    timings["total_s"] = time.perf_counter() - t_start
+    plot = _plot(rows, root / "demo.png", cfg)
+    result = DemoResult(rows, doc, timings, str(model), str(store), plot,
+                        extra={"quick": quick, "shape": cfg.shape, "chunk_size": cfg.chunk_size,
+                               "server": {"port": policy.server.port, "http_port": policy.server.http_port},
+                               "engine_start_s": {"a": warm["engine_s"], "cold": cold["engine_s"],
+                                                  "b": served["engine_s"]}})
+    (root / "demo.json").write_text(json.dumps(result.to_dict(), indent=2))
+    return result
+
+
+def _copy_manual(root: Path, manual: Path | None, cfg: DemoConfig) -> Path:
+    """Write the part of the manual this demo uses to ``root/manual.md`` (what the replicas read)."""
+    manual_path = manual or find_manual()
+    text = manual_text(manual_path, cfg.sections)
+    manual_copy = root / "manual.md"
+    manual_copy.write_text(text, encoding="utf-8")
+    return manual_copy
+
+
+def _write_policy(root: Path, store: Path, cfg: DemoConfig) -> tuple[Policy, Path]:
+    """The demo's policy (a directory store on fresh ports), written to ``root/policy.yaml`` for the replicas."""
+    from prefixshare.policies import Policy
 
     policy = Policy.build(
         name="demo", chunk_size=cfg.chunk_size, l1={"size_gb": cfg.l1_gb},
@@ -179,29 +210,37 @@ def run_demo(*, quick: bool = False, out_dir: Path | None = None, manual: Path |
     import yaml
 
     policy_file.write_text(yaml.safe_dump(policy.to_dict(), sort_keys=False))
-    engine = vllm_engine_kwargs(policy, str(model), dtype="float32", block_size=cfg.block_size,
-                                max_model_len=cfg.max_model_len)
-    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in {**ENGINE_ENV, **QUIET_ENV}.items()},
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    replicas = _Replicas(root, env)
+    return policy, policy_file
+
+
+def _replica_env() -> dict[str, str]:
+    """The replicas' environment: ours, plus the engine and quiet settings we do not set already."""
+    from prefixshare.warm import ENGINE_ENV, QUIET_ENV
+
+    return {**os.environ, **{k: os.environ.get(k, v) for k, v in {**ENGINE_ENV, **QUIET_ENV}.items()},
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
+
+def _run_replicas(root: Path, policy: Policy, store: Path, common: dict[str, Any], engine: dict[str, Any],
+                  timings: dict[str, float], log: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Steps 2-5: start the server, run replica A, the cold replica and replica B; stop them all, even on failure.
+
+    Returns the results of replica A (warm), the cold replica and replica B (served)."""
+    from prefixshare.server import LMCacheServer
+
+    replicas = _Replicas(root, _replica_env())
     server = LMCacheServer(policy, log_path=root / "server.log")
     try:
         t0 = time.perf_counter()
         log(f"[2/5] LMCache MP server on {policy.server.url}, store {store}")
         server.start(reuse=False)
         timings["server_s"] = time.perf_counter() - t0
-        common = {"manual": str(manual_copy), "system": SYSTEM, "questions": list(QUESTIONS),
-                  "policy_file": str(policy_file)}
 
         t0 = time.perf_counter()
         log("[3/5] replica A (process 1) warms the manual")
         warm = replicas.run("replica-a", {**common, "role": "warm", "instance": "demo-a", "engine": engine}, 600)
         timings["replica_a_s"] = time.perf_counter() - t0
-        doc = warm["report"]["documents"][0]
-        if doc["status"] not in ("warmed", "skipped"):
-            raise DemoError(f"replica A could not warm the manual: {doc['status']}: {doc['reason']}")
-        log(f"      {doc['tokens']:,} prefix tokens, {doc['chunks']} chunks, {doc['bytes'] / 2**20:.1f} MiB "
-            f"in {warm['warm_s']:.2f} s (verified: {doc['verified']})")
+        _check_warm(warm, log)
 
         t0 = time.perf_counter()
         log("[4/5] cold replica (process 2, no prefixshare) answers the questions")
@@ -215,7 +254,20 @@ def run_demo(*, quick: bool = False, out_dir: Path | None = None, manual: Path |
     finally:
         replicas.close()
         server.stop()
+    return warm, cold, served
 
+
+def _check_warm(warm: dict[str, Any], log: Any) -> None:
+    """Fail unless replica A warmed (or had already stored) the manual; log what it stored."""
+    doc = warm["report"]["documents"][0]
+    if doc["status"] not in ("warmed", "skipped"):
+        raise DemoError(f"replica A could not warm the manual: {doc['status']}: {doc['reason']}")
+    log(f"      {doc['tokens']:,} prefix tokens, {doc['chunks']} chunks, {doc['bytes'] / 2**20:.1f} MiB "
+        f"in {warm['warm_s']:.2f} s (verified: {doc['verified']})")
+
+
+def _compare_rows(cold: dict[str, Any], served: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per question: the cold and the prefixshare replica's TTFT, what B loaded, and whether they agree."""
     rows = []
     for c, b in zip(cold["questions"], served["questions"], strict=True):
         if c["prompt"] != b["prompt"]:
@@ -228,15 +280,7 @@ def run_demo(*, quick: bool = False, out_dir: Path | None = None, manual: Path |
                      "bytes_loaded": b["bytes_loaded"], "cold_cached_tokens": c["cached_tokens"],
                      "speedup": c["ttft_s"] / b["ttft_s"] if b["ttft_s"] else None,
                      "same_first_token": same})
-    timings["total_s"] = time.perf_counter() - t_start
-    plot = _plot(rows, root / "demo.png", cfg)
-    result = DemoResult(rows, doc, timings, str(model), str(store), plot,
-                        extra={"quick": quick, "shape": cfg.shape, "chunk_size": cfg.chunk_size,
-                               "server": {"port": policy.server.port, "http_port": policy.server.http_port},
-                               "engine_start_s": {"a": warm["engine_s"], "cold": cold["engine_s"],
-                                                  "b": served["engine_s"]}})
-    (root / "demo.json").write_text(json.dumps(result.to_dict(), indent=2))
-    return result
+    return rows
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, cfg: DemoConfig) -> str | None:

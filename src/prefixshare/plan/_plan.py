@@ -155,6 +155,76 @@ def parse_prompt_lengths(text: str) -> list[int]:
     return lengths
 
 
+def _links(links: Iterable[str | Link]) -> tuple[Link, ...]:
+    """Parse the links, refusing none at all and any name given twice."""
+    link_objs = tuple(parse_link(link) for link in links)
+    if not link_objs:
+        raise PlanError("give at least one link")
+    names = [link.name for link in link_objs]
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        raise PlanError(f"link given twice: {', '.join(dupes)}")
+    return link_objs
+
+
+def _efficiency(efficiency: float) -> float:
+    """The fraction of the line rate a transfer gets: in (0, 1]."""
+    eff = _positive_number(efficiency, "efficiency")
+    if eff > 1:
+        raise PlanError(f"efficiency is a fraction of the line rate, at most 1.0, got {efficiency!r}")
+    return eff
+
+
+def _latency(per_load_latency_s: float) -> float:
+    """The fixed per-load latency, in seconds (>= 0), as a float."""
+    latency = per_load_latency_s
+    if isinstance(latency, bool) or not isinstance(latency, int | float) or not math.isfinite(latency) or latency < 0:
+        raise PlanError(f"per-load latency must be a number of seconds >= 0, got {per_load_latency_s!r}")
+    return float(latency)
+
+
+def _check_concurrency(concurrency: int) -> None:
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise PlanError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+
+
+def _row(
+    tokens: int,
+    per_token: int,
+    rate: float | None,
+    links: tuple[Link, ...],
+    *,
+    efficiency: float,
+    concurrency: int,
+    latency: float,
+) -> PlanRow:
+    """One prompt length: its KV bytes, its prefill time at ``rate`` and its load time over each link."""
+    nbytes = tokens * per_token
+    prefill_s = None if rate is None else tokens / rate
+    transfers = []
+    for link in links:
+        wire = link.seconds_for(nbytes, efficiency=efficiency, sharers=concurrency)
+        load = wire + latency
+        verdict: Verdict | None = None
+        if prefill_s is not None:
+            verdict = SHARING_WINS if load < prefill_s else PREFILL_WINS
+        transfers.append(Transfer(link=link.name, transfer_s=wire, load_s=load, verdict=verdict))
+    return PlanRow(tokens=tokens, kv_bytes=nbytes, prefill_s=prefill_s, transfers=tuple(transfers))
+
+
+def _length_notes(model: ModelShape, lengths: tuple[int, ...]) -> list[str]:
+    """A note naming the prompt lengths longer than the model's context, if any."""
+    if model.max_position_embeddings is None:
+        return []
+    too_long = [n for n in lengths if n > model.max_position_embeddings]
+    if not too_long:
+        return []
+    return [
+        f"prompt lengths {', '.join(map(str, too_long))} exceed the model's "
+        f"max_position_embeddings ({model.max_position_embeddings})"
+    ]
+
+
 def plan(
     shape: ModelShape | str | os.PathLike[str] | Mapping[str, Any],
     prompt_lengths: Iterable[int] = DEFAULT_PROMPT_LENGTHS,
@@ -179,49 +249,19 @@ def plan(
     """
     model = shape if isinstance(shape, ModelShape) else shape_from_config(shape)
     lengths = _prompt_lengths(prompt_lengths)
-    link_objs = tuple(parse_link(link) for link in links)
-    if not link_objs:
-        raise PlanError("give at least one link")
-    names = [link.name for link in link_objs]
-    if len(set(names)) != len(names):
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        raise PlanError(f"link given twice: {', '.join(dupes)}")
+    link_objs = _links(links)
     rate = None if prefill_tokens_per_s is None else _positive_number(prefill_tokens_per_s, "prefill rate (tokens/s)")
-    eff = _positive_number(efficiency, "efficiency")
-    if eff > 1:
-        raise PlanError(f"efficiency is a fraction of the line rate, at most 1.0, got {efficiency!r}")
-    latency = per_load_latency_s
-    if isinstance(latency, bool) or not isinstance(latency, int | float) or not math.isfinite(latency) or latency < 0:
-        raise PlanError(f"per-load latency must be a number of seconds >= 0, got {per_load_latency_s!r}")
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise PlanError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+    eff = _efficiency(efficiency)
+    latency = _latency(per_load_latency_s)
+    _check_concurrency(concurrency)
 
     dtype = model.resolve_kv_dtype(kv_dtype)
     per_token = kv_bytes_per_token(model, dtype)
-    latency = float(latency)
-
-    rows: list[PlanRow] = []
-    for tokens in lengths:
-        nbytes = tokens * per_token
-        prefill_s = None if rate is None else tokens / rate
-        transfers = []
-        for link in link_objs:
-            wire = link.seconds_for(nbytes, efficiency=eff, sharers=concurrency)
-            load = wire + latency
-            verdict: Verdict | None = None
-            if prefill_s is not None:
-                verdict = SHARING_WINS if load < prefill_s else PREFILL_WINS
-            transfers.append(Transfer(link=link.name, transfer_s=wire, load_s=load, verdict=verdict))
-        rows.append(PlanRow(tokens=tokens, kv_bytes=nbytes, prefill_s=prefill_s, transfers=tuple(transfers)))
-
-    notes = list(model.notes)
-    if model.max_position_embeddings is not None:
-        too_long = [n for n in lengths if n > model.max_position_embeddings]
-        if too_long:
-            notes.append(
-                f"prompt lengths {', '.join(map(str, too_long))} exceed the model's "
-                f"max_position_embeddings ({model.max_position_embeddings})"
-            )
+    rows = [
+        _row(tokens, per_token, rate, link_objs, efficiency=eff, concurrency=concurrency, latency=latency)
+        for tokens in lengths
+    ]
+    notes = [*model.notes, *_length_notes(model, lengths)]
 
     return Plan(
         shape=model,
