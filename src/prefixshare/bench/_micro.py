@@ -10,7 +10,10 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefixshare.runtime import ConnectorRuntime, CostModel
 
 _MB = 1e6
 
@@ -203,6 +206,28 @@ def runtime_overhead(model_dir: Path, policy: Any, lengths: list[int], iteration
     ``cost_save_us`` per save of the cost estimates (at most once a second), both off the request path;
     ``writer_cpu_pct``: the writer's upper bound under sustained load, as a share of one core."""
     import random
+
+    rt, cost, scratch = _overhead_runtime(model_dir, policy)
+    rng = random.Random(0)
+    out: dict[str, Any] = {}
+    try:
+        for n in lengths:
+            ids = [rng.randrange(16, 4000) for _ in range(n)]
+            per_call = _time_request_calls(rt, cost, n, ids, iterations)
+            publish = _time_publish(rt)
+            write, save = _time_writer(rt, cost)
+            out[str(n)] = _overhead_row(cost, per_call, publish, write, save)
+    finally:
+        rt.close()
+        for path in (rt._stats_path, *scratch.iterdir()):
+            path.unlink(missing_ok=True)
+        scratch.rmdir()
+    return out
+
+
+def _overhead_runtime(model_dir: Path, policy: Any) -> tuple[ConnectorRuntime, CostModel, Path]:
+    """A scheduler-side runtime for made-up engine settings, its cost model calibrated and persisted into a new
+    scratch directory (returned: the caller removes it)."""
     import tempfile
 
     from prefixshare.runtime import ConnectorRuntime
@@ -212,63 +237,79 @@ def runtime_overhead(model_dir: Path, policy: Any, lengths: list[int], iteration
                               block_size=32, tp=1, pp=1)
     extra = {"prefixshare.instance": f"bench-overhead-{os.getpid()}", "prefixshare.policy": policy.to_dict()}
     rt = ConnectorRuntime(extra, model_dir=str(model_dir), settings=settings, role="scheduler")
-    assert rt.cost is not None
+    cost = rt.cost
+    assert cost is not None
     scratch = Path(tempfile.mkdtemp(prefix="prefixshare-overhead-"))
-    rt.cost.path = scratch / "cost.json"  # persisted as in production (by the writer thread), not into the run dir
-    rt.cost.mode = "auto"
+    cost.path = scratch / "cost.json"  # persisted as in production (by the writer thread), not into the run dir
+    cost.mode = "auto"
     for n in (512, 1024, 2048):  # a calibrated model: decisions do their full work
-        rt.cost.observe_prefill([(0, n)], n / 400.0)
-        rt.cost.observe_lookup(n, 0.01 + n * 2e-5)
-        rt.cost.observe_transfer(n, 0.005 + n * 4e-5)
-    rng = random.Random(0)
-    out: dict[str, Any] = {}
-    try:
-        for n in lengths:
-            ids = [rng.randrange(16, 4000) for _ in range(n)]
-            params = {"prefixshare.document_id": "doc", "prefixshare.tenant": "acme"}
-            per_call: list[float] = []
-            for i in range(iterations):
-                rid = f"r{n}-{i}"
-                t0 = time.perf_counter_ns()
-                info = rt.begin(rid, ids, params)
-                rt.salt(info, None)
-                rt.cost.decide_before_lookup(rid, n, 0, n)
-                rt.lookup_done(info, n - 1, 0.01)
-                rt.cost.observe_lookup(n, 0.01)
-                rt.cost.decide_after_lookup(rid, n, 0, n, 0.01)
-                rt.load_done(rid)
-                rt.cost.observe_transfer(n - 1, 0.02)
-                rt.cost.observe_prefill([(n - 1, n)], 0.05)
-                rt.cost.outcome(rid, loaded_tokens=n - 1, transfer_s=0.02)
-                rt.finish(rid, 0)
-                per_call.append((time.perf_counter_ns() - t0) / 1e3)
-            publish: list[float] = []
-            for _ in range(200):
-                rt._queued = False  # the dearer case: the first request since the last write hands it over
-                t0 = time.perf_counter_ns()
-                rt.publish()
-                publish.append((time.perf_counter_ns() - t0) / 1e3)
-            write: list[float] = []
-            save: list[float] = []
-            time.sleep(3 * ConnectorRuntime.PUBLISH_INTERVAL_S)  # the writer thread is done with the marks above
-            for _ in range(50):
-                t0 = time.perf_counter_ns()
-                rt.flush(cost=False)
-                write.append((time.perf_counter_ns() - t0) / 1e3)
-                rt.cost._dirty = True
-                t0 = time.perf_counter_ns()
-                rt.cost.save(force=True)
-                save.append((time.perf_counter_ns() - t0) / 1e3)
-            calls, pub = statistics.median(per_call), statistics.median(publish)
-            # the writer under sustained load: a snapshot every interval, the estimates once a second
-            busy_s = (statistics.median(write) / ConnectorRuntime.PUBLISH_INTERVAL_S
-                      + statistics.median(save) / rt.cost.SAVE_INTERVAL_S) / 1e6
-            out[str(n)] = {"calls_us": summary(per_call), "publish_us": summary(publish), "total_us": calls + pub,
-                           "write_us": summary(write), "cost_save_us": summary(save),
-                           "writer_cpu_pct": busy_s * 100}
-    finally:
-        rt.close()
-        for path in (rt._stats_path, *scratch.iterdir()):
-            path.unlink(missing_ok=True)
-        scratch.rmdir()
-    return out
+        cost.observe_prefill([(0, n)], n / 400.0)
+        cost.observe_lookup(n, 0.01 + n * 2e-5)
+        cost.observe_transfer(n, 0.005 + n * 4e-5)
+    return rt, cost, scratch
+
+
+def _time_request_calls(rt: ConnectorRuntime, cost: CostModel, n: int, ids: list[int],
+                        iterations: int) -> list[float]:
+    """µs of the scheduler-side calls of one ``n``-token request (a load), ``iterations`` times."""
+    params = {"prefixshare.document_id": "doc", "prefixshare.tenant": "acme"}
+    per_call: list[float] = []
+    for i in range(iterations):
+        rid = f"r{n}-{i}"
+        t0 = time.perf_counter_ns()
+        info = rt.begin(rid, ids, params)
+        rt.salt(info, None)
+        cost.decide_before_lookup(rid, n, 0, n)
+        rt.lookup_done(info, n - 1, 0.01)
+        cost.observe_lookup(n, 0.01)
+        cost.decide_after_lookup(rid, n, 0, n, 0.01)
+        rt.load_done(rid)
+        cost.observe_transfer(n - 1, 0.02)
+        cost.observe_prefill([(n - 1, n)], 0.05)
+        cost.outcome(rid, loaded_tokens=n - 1, transfer_s=0.02)
+        rt.finish(rid, 0)
+        per_call.append((time.perf_counter_ns() - t0) / 1e3)
+    return per_call
+
+
+def _time_publish(rt: ConnectorRuntime) -> list[float]:
+    """µs of publishing the stats snapshot, the dearer case, 200 times."""
+    publish: list[float] = []
+    for _ in range(200):
+        rt._queued = False  # the dearer case: the first request since the last write hands it over
+        t0 = time.perf_counter_ns()
+        rt.publish()
+        publish.append((time.perf_counter_ns() - t0) / 1e3)
+    return publish
+
+
+def _time_writer(rt: ConnectorRuntime, cost: CostModel) -> tuple[list[float], list[float]]:
+    """µs of the writer thread's work, 50 times each: writing a stats snapshot, saving the cost estimates."""
+    from prefixshare.runtime import ConnectorRuntime
+
+    write: list[float] = []
+    save: list[float] = []
+    time.sleep(3 * ConnectorRuntime.PUBLISH_INTERVAL_S)  # the writer thread is done with the marks above
+    for _ in range(50):
+        t0 = time.perf_counter_ns()
+        rt.flush(cost=False)
+        write.append((time.perf_counter_ns() - t0) / 1e3)
+        cost._dirty = True
+        t0 = time.perf_counter_ns()
+        cost.save(force=True)
+        save.append((time.perf_counter_ns() - t0) / 1e3)
+    return write, save
+
+
+def _overhead_row(cost: CostModel, per_call: list[float], publish: list[float], write: list[float],
+                  save: list[float]) -> dict[str, Any]:
+    """One length's P5 result from its timings (µs)."""
+    from prefixshare.runtime import ConnectorRuntime
+
+    calls, pub = statistics.median(per_call), statistics.median(publish)
+    # the writer under sustained load: a snapshot every interval, the estimates once a second
+    busy_s = (statistics.median(write) / ConnectorRuntime.PUBLISH_INTERVAL_S
+              + statistics.median(save) / cost.SAVE_INTERVAL_S) / 1e6
+    return {"calls_us": summary(per_call), "publish_us": summary(publish), "total_us": calls + pub,
+            "write_us": summary(write), "cost_save_us": summary(save),
+            "writer_cpu_pct": busy_s * 100}

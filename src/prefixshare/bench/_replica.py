@@ -25,14 +25,16 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+from prefixshare._env import VLLM_QUIET
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: ~3 s start
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (else vLLM wants 92 % of RAM)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+for _key, _value in VLLM_QUIET.items():
+    os.environ.setdefault(_key, _value)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
@@ -96,7 +98,7 @@ def main() -> None:
     from prefixshare._log import configure
 
     configure(level=spec.get("log_level", "WARNING"), json=True)
-    import vllm
+    import vllm  # noqa: F401 - loaded here, once the logs are configured (the step helpers use it)
 
     from prefixshare.adapters.vllm import fix_in_process_engine
 
@@ -104,6 +106,40 @@ def main() -> None:
     engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
               "block_size": 32, "enable_prefix_caching": True, "seed": 0, **spec.get("engine", {})}
     started = time.perf_counter()
+    llm, read_stats, ps = _start_engine(spec, engine)
+    result: dict[str, Any] = {"engine_s": time.perf_counter() - started, "steps": []}
+    requests = 0
+    for step in spec["steps"]:
+        out: dict[str, Any] = {"op": step["op"], "tag": step.get("tag")}
+        if step["op"] == "generate":
+            out.update(_generate(llm, step))
+            requests += 1
+            if read_stats is not None and step.get("stats", True):
+                stats = _settled_stats(read_stats, requests)
+                out["stats"] = {k: stats.get(k) for k in ("tokens_loaded", "hits", "lookups", "fallbacks",
+                                                          "tokens_stored", "requests")}
+        elif step["op"] == "warm":
+            out.update(_warm(llm, ps, step))
+            requests += 1
+        elif step["op"] == "fadvise":
+            t0 = time.perf_counter()
+            out["bytes"] = evict_dir(step["dir"])
+            out["seconds"] = time.perf_counter() - t0
+        else:
+            raise ValueError(f"unknown step {step['op']!r}")
+        result["steps"].append(out)
+    if read_stats is not None:
+        result["stats"] = _settled_stats(read_stats, requests)
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip engine teardown: the process is done
+
+
+def _start_engine(spec: dict[str, Any], engine: dict[str, Any]) -> tuple[Any, Callable[[], dict[str, Any]] | None, Any]:
+    """The engine (the raw engine when the spec's policy is ``null``), a reader of its prefixshare stats (None for
+    the raw engine) and, when a step pre-warms, the :class:`~prefixshare.share.PrefixShare` it warms through."""
+    import vllm
+
     ps = None
     read_stats = None
     if spec.get("policy") is None:
@@ -124,62 +160,54 @@ def main() -> None:
 
             ps = PrefixShare(policy, server=False, instance=spec["instance"])
             ps.engines.append(llm)
-    result: dict[str, Any] = {"engine_s": time.perf_counter() - started, "steps": []}
-    requests = 0
-    for step in spec["steps"]:
-        out: dict[str, Any] = {"op": step["op"], "tag": step.get("tag")}
-        if step["op"] == "generate":
-            if step.get("reset_local"):
-                out["reset"] = reset_local_cache(llm)
-            params = vllm.SamplingParams(
-                temperature=0.0, max_tokens=step.get("max_tokens", 1), logprobs=1, ignore_eos=True, detokenize=False,
-                extra_args={"kv_transfer_params": step["params"]} if step.get("params") else None,
-            )
-            profiler = None
-            if step.get("profile"):
-                import cProfile
+    return llm, read_stats, ps
 
-                profiler = cProfile.Profile()
-                profiler.enable()
-            t0 = time.perf_counter()
-            res = llm.generate([{"prompt_token_ids": step["ids"]}], params, use_tqdm=False)[0]
-            out["seconds"] = time.perf_counter() - t0
-            if profiler is not None:
-                profiler.disable()
-                out["profile"] = _top(profiler, int(step.get("profile_top", 30)))
-            comp = res.outputs[0]
-            out["token_ids"] = list(comp.token_ids)
-            out["logprobs"] = [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids, strict=False)]
-            out["prompt_tokens"] = len(step["ids"])
-            out["num_cached_tokens"] = int(res.num_cached_tokens or 0)
-            requests += 1
-            if read_stats is not None and step.get("stats", True):
-                stats = _settled_stats(read_stats, requests)
-                out["stats"] = {k: stats.get(k) for k in ("tokens_loaded", "hits", "lookups", "fallbacks",
-                                                          "tokens_stored", "requests")}
-        elif step["op"] == "warm":
-            from prefixshare.warm import warm
-            from prefixshare.warm import as_template, prefix_ids
 
-            tok = llm.get_tokenizer()
-            out["ids"] = prefix_ids(tok, as_template(None).resolve(tok), step["text"])
-            t0 = time.perf_counter()
-            report = warm(ps, {step["doc_id"]: step["text"]}, llm, strict=False)
-            out["seconds"] = time.perf_counter() - t0
-            out["report"] = report.to_dict()
-            requests += 1
-        elif step["op"] == "fadvise":
-            t0 = time.perf_counter()
-            out["bytes"] = evict_dir(step["dir"])
-            out["seconds"] = time.perf_counter() - t0
-        else:
-            raise ValueError(f"unknown step {step['op']!r}")
-        result["steps"].append(out)
-    if read_stats is not None:
-        result["stats"] = _settled_stats(read_stats, requests)
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    os._exit(0)  # skip engine teardown: the process is done
+def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    """A ``generate`` step: one request (after emptying the local prefix cache if asked), its wall time, its
+    output and, if asked, a cProfile summary of it."""
+    import vllm
+
+    out: dict[str, Any] = {}
+    if step.get("reset_local"):
+        out["reset"] = reset_local_cache(llm)
+    params = vllm.SamplingParams(
+        temperature=0.0, max_tokens=step.get("max_tokens", 1), logprobs=1, ignore_eos=True, detokenize=False,
+        extra_args={"kv_transfer_params": step["params"]} if step.get("params") else None,
+    )
+    profiler = None
+    if step.get("profile"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    t0 = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": step["ids"]}], params, use_tqdm=False)[0]
+    out["seconds"] = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+        out["profile"] = _top(profiler, int(step.get("profile_top", 30)))
+    comp = res.outputs[0]
+    out["token_ids"] = list(comp.token_ids)
+    out["logprobs"] = [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids, strict=False)]
+    out["prompt_tokens"] = len(step["ids"])
+    out["num_cached_tokens"] = int(res.num_cached_tokens or 0)
+    return out
+
+
+def _warm(llm: Any, ps: Any, step: dict[str, Any]) -> dict[str, Any]:
+    """A ``warm`` step: the document's prefix token ids, then :func:`prefixshare.warm.warm`'s wall time and report."""
+    from prefixshare.warm import warm
+    from prefixshare.warm import as_template, prefix_ids
+
+    out: dict[str, Any] = {}
+    tok = llm.get_tokenizer()
+    out["ids"] = prefix_ids(tok, as_template(None).resolve(tok), step["text"])
+    t0 = time.perf_counter()
+    report = warm(ps, {step["doc_id"]: step["text"]}, llm, strict=False)
+    out["seconds"] = time.perf_counter() - t0
+    out["report"] = report.to_dict()
+    return out
 
 
 if __name__ == "__main__":

@@ -162,6 +162,38 @@ class Bench:
 
     # --- the run -------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        s = self.s
+        info, kvb = self._setup()
+        io = self._measure_io(kvb)
+        overhead, overhead_rules = self._measure_overhead()
+
+        # documents
+        warmup = _ids("warmup", s.warmup_tokens, 0, s.seed)
+        docs = {n: [_ids("doc", n, i, s.seed) for i in range(s.runs)] for n in s.lengths}
+        texts = {n: [(f"bench-{n}-{i}", self._text(n, i)) for i in range(s.runs)] for n in s.slow_lengths}
+
+        a = self._run_a(warmup, docs, texts)
+        a_steps = self._by_tag(a)
+        r_steps = self._by_tag(self._run_r(warmup, a_steps))
+        b = self._run_b(warmup, docs, a_steps)
+        b_steps = self._by_tag(b)
+        be_steps = self._run_b_evicted(warmup, docs) if s.evicted else {}
+        c0, c = self._run_c(docs, a_steps)
+        c_steps = self._by_tag(c)
+
+        kv_measured = self._kv_bytes_per_token()
+        self.timings["total_s"] = round(time.perf_counter() - self.started, 1)
+        info_end = machine()["load_average"]
+        results = self._assemble(info, info_end, kvb, kv_measured, io, overhead, a, a_steps, b_steps, be_steps,
+                                 r_steps, c0, c, c_steps)
+        results["profile_warm_request"] = self._profile_warm_request(a_steps, b, b_steps)
+        for n, row in results["per_length"].items():
+            row["overhead_with_rules_us"] = overhead_rules[n]
+        return results
+
+    def _setup(self) -> tuple[dict[str, Any], int]:
+        """A fresh work directory, the machine's description and the model; returns the machine and the model's KV
+        bytes per token."""
         from prefixshare._paths import cache_dir
         from prefixshare.model import ensure_model, kv_bytes_per_token
 
@@ -174,9 +206,11 @@ class Bench:
         t0 = time.perf_counter()
         self.model = ensure_model(cache_dir() / "models" / f"bench-{s.shape}", shape=s.shape)
         self.timings["model_s"] = round(time.perf_counter() - t0, 1)
-        kvb = kv_bytes_per_token(s.shape)
+        return info, kv_bytes_per_token(s.shape)
 
-        # P3 and the media bandwidth of P2 (no engine running)
+    def _measure_io(self, kvb: int) -> dict[str, Any]:
+        """P3 and the media bandwidth of P2 (no engine running): raw I/O and the fs L2 path, per length."""
+        s = self.s
         self.log("raw sequential I/O and LMCache's fs L2 path ...")
         t0 = time.perf_counter()
         io: dict[str, Any] = {}
@@ -185,8 +219,11 @@ class Bench:
             io[str(n)] = {"raw": raw_io(self.work / "io", size, s.runs),
                           "fs_l2": fs_l2_io(self.work / "io-l2", s.chunk_size * kvb, n // s.chunk_size, s.runs)}
         self.timings["io_s"] = round(time.perf_counter() - t0, 1)
+        return io
 
-        # P5
+    def _measure_overhead(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """P5: the per-request overhead (in-process), with the default policy and with admission rules."""
+        s = self.s
         self.log("per-request overhead (in-process) ...")
         t0 = time.perf_counter()
         iterations = 300 if s.quick else 2000
@@ -200,13 +237,12 @@ class Bench:
 
         overhead_rules = runtime_overhead(self.model, Policy.build(**rules), s.lengths, iterations=iterations)
         self.timings["overhead_s"] = round(time.perf_counter() - t0, 1)
+        return overhead, overhead_rules
 
-        # documents
-        warmup = _ids("warmup", s.warmup_tokens, 0, s.seed)
-        docs = {n: [_ids("doc", n, i, s.seed) for i in range(s.runs)] for n in s.lengths}
-        texts = {n: [(f"bench-{n}-{i}", self._text(n, i)) for i in range(s.runs)] for n in s.slow_lengths}
-
-        # A: cold, local, pre-warm
+    def _run_a(self, warmup: list[int], docs: dict[int, list[list[int]]],
+               texts: dict[int, list[tuple[str, str]]]) -> dict[str, Any]:
+        """A: cold, local, pre-warm."""
+        s = self.s
         steps: list[dict[str, Any]] = [{"op": "generate", "ids": warmup, "tag": "warmup"}]
         for n in s.lengths:
             for i, ids in enumerate(docs[n]):
@@ -217,22 +253,25 @@ class Bench:
                 steps.append({"op": "warm", "doc_id": doc_id, "text": text, "tag": f"prewarm:{n}:{i}"})
         pol_a = self._policy()
         with self._server(pol_a):
-            a = self._replica("A", pol_a, steps)
-        a_steps = self._by_tag(a)
+            return self._replica("A", pol_a, steps)
 
-        # R, right after A (the P6 pair close in time): raw engine, the pre-warmed documents' exact tokens, each
-        # asked again at once (the engine's own local prefix cache, without prefixshare: its best case)
+    def _run_r(self, warmup: list[int], a_steps: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """R, right after A (the P6 pair close in time): raw engine, the pre-warmed documents' exact tokens, each
+        asked again at once (the engine's own local prefix cache, without prefixshare: its best case)."""
+        s = self.s
         steps = [{"op": "generate", "ids": warmup, "tag": "warmup"}]
         for n in s.slow_lengths:
             for i in range(s.runs):
                 ids = a_steps[f"prewarm:{n}:{i}"]["ids"]
                 steps.append({"op": "generate", "ids": ids, "tag": f"raw:{n}:{i}"})
                 steps.append({"op": "generate", "ids": ids, "tag": f"rawlocal:{n}:{i}"})
-        r = self._replica("R", None, steps)
-        r_steps = self._by_tag(r)
+        return self._replica("R", None, steps)
 
-        # B: cross-replica warm, page cache warm; then one more load (a pre-warmed document) under cProfile:
-        # where a warm request's time goes, in the engine process (scheduler, worker, connector)
+    def _run_b(self, warmup: list[int], docs: dict[int, list[list[int]]],
+               a_steps: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """B: cross-replica warm, page cache warm; then one more load (a pre-warmed document) under cProfile:
+        where a warm request's time goes, in the engine process (scheduler, worker, connector)."""
+        s = self.s
         steps = [{"op": "generate", "ids": warmup, "tag": "warmup"}]
         steps += [{"op": "generate", "ids": ids, "tag": f"warm:{n}:{i}"}
                   for n in s.lengths for i, ids in enumerate(docs[n])]
@@ -241,23 +280,26 @@ class Bench:
                       "profile_top": 40})
         pol_b = self._policy()
         with self._server(pol_b):
-            b = self._replica("B", pol_b, steps)
-        b_steps = self._by_tag(b)
+            return self._replica("B", pol_b, steps)
 
-        # B-evicted: cross-replica warm, store files evicted from the page cache before each request
-        be_steps: dict[str, dict[str, Any]] = {}
-        if s.evicted:
-            steps = [{"op": "generate", "ids": warmup, "tag": "warmup"}]
-            for n in s.lengths:
-                for i, ids in enumerate(docs[n]):
-                    steps.append({"op": "fadvise", "dir": str(self.store)})
-                    steps.append({"op": "generate", "ids": ids, "tag": f"warm:{n}:{i}"})
-            pol_e = self._policy()
-            with self._server(pol_e):
-                be = self._replica("B-evicted", pol_e, steps)
-            be_steps = self._by_tag(be)
+    def _run_b_evicted(self, warmup: list[int], docs: dict[int, list[list[int]]]) -> dict[str, dict[str, Any]]:
+        """B-evicted: cross-replica warm, store files evicted from the page cache before each request; returns
+        its steps by tag."""
+        s = self.s
+        steps = [{"op": "generate", "ids": warmup, "tag": "warmup"}]
+        for n in s.lengths:
+            for i, ids in enumerate(docs[n]):
+                steps.append({"op": "fadvise", "dir": str(self.store)})
+                steps.append({"op": "generate", "ids": ids, "tag": f"warm:{n}:{i}"})
+        pol_e = self._policy()
+        with self._server(pol_e):
+            be = self._replica("B-evicted", pol_e, steps)
+        return self._by_tag(be)
 
-        # C0, C: throttled store, cost-aware loading
+    def _run_c(self, docs: dict[int, list[list[int]]],
+               a_steps: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """C0, C: throttled store, cost-aware loading."""
+        s = self.s
         pol_t = self._policy(mode="auto", slow=True)
         with self._server(pol_t):
             steps = [{"op": "generate", "ids": _ids("warmup", s.warmup_tokens, 1, s.seed), "tag": "warmup"}]
@@ -272,20 +314,15 @@ class Bench:
                     steps.append({"op": "generate", "ids": ids, "tag": f"slow:{n}:{i}"})
                     steps.append({"op": "generate", "ids": _ids("fresh", n, i, s.seed), "tag": f"fresh:{n}:{i}"})
             c = self._replica("C", pol_t, steps)
-        c_steps = self._by_tag(c)
+        return c0, c
 
-        kv_measured = self._kv_bytes_per_token()
-        self.timings["total_s"] = round(time.perf_counter() - self.started, 1)
-        info_end = machine()["load_average"]
-        results = self._assemble(info, info_end, kvb, kv_measured, io, overhead, a, a_steps, b_steps, be_steps,
-                                 r_steps, c0, c, c_steps)
+    def _profile_warm_request(self, a_steps: dict[str, dict[str, Any]], b: dict[str, Any],
+                              b_steps: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """B's profiled warm request: its tokens, wall time, top functions and the cost model's observation."""
+        big = max(self.s.slow_lengths)
         profiled = b_steps.get("profiled", {})
-        results["profile_warm_request"] = {"tokens": len(a_steps[f"prewarm:{big}:0"]["ids"]),
-                                           "seconds": profiled.get("seconds"), "top": profiled.get("profile"),
-                                           "cost": _decision_of(b, "profiled")}
-        for n, row in results["per_length"].items():
-            row["overhead_with_rules_us"] = overhead_rules[n]
-        return results
+        return {"tokens": len(a_steps[f"prewarm:{big}:0"]["ids"]), "seconds": profiled.get("seconds"),
+                "top": profiled.get("profile"), "cost": _decision_of(b, "profiled")}
 
     def _text(self, n: int, i: int) -> str:
         """A text document of about ``n`` tokens (P6: warm takes documents, not token ids)."""
@@ -316,60 +353,7 @@ class Bench:
         predicted = plan(s.shape, prompt_lengths=[max(s.lengths)], kv_dtype="float32").kv_bytes_per_token
         per_length: dict[str, Any] = {}
         for n in s.lengths:
-            cold = summary(self._series(a_steps, "cold", n))
-            local = summary(self._series(a_steps, "local", n))
-            warm = summary(self._series(b_steps, "warm", n))
-            loaded = [b_steps[f"warm:{n}:{i}"]["num_cached_tokens"] for i in range(s.runs)]
-            kv_bytes = n * kvb
-            raw = io[str(n)]["raw"]
-            limit_warm = local["median"] + kv_bytes / (raw["read_warm_gbps"]["median"] * 1e9)
-            limit_cold = local["median"] + kv_bytes / (raw["read_evicted_gbps"]["median"] * 1e9)
-            row: dict[str, Any] = {
-                "tokens": n, "kv_bytes": kv_bytes,
-                "cold_ttft_s": cold, "warm_ttft_s": warm, "local_ttft_s": local,
-                "warm_loaded_tokens": summary([float(x) for x in loaded]),
-                "speedup_cold_over_warm": cold["median"] / warm["median"],
-                "speedup_cold_over_local": cold["median"] / local["median"],
-                "limit_page_cache_warm_s": limit_warm, "limit_evicted_s": limit_cold,
-                "warm_over_limit": warm["median"] / limit_warm,
-                "io": io[str(n)],
-                "overhead_us": overhead[str(n)],
-                "overhead_pct_of_warm_ttft": overhead[str(n)]["total_us"] / 1e6 / warm["median"] * 100,
-                "overhead_pct_of_cold_ttft": overhead[str(n)]["total_us"] / 1e6 / cold["median"] * 100,
-            }
-            if be_steps:
-                warm_ev = summary(self._series(be_steps, "warm", n))
-                row["warm_evicted_ttft_s"] = warm_ev
-                row["warm_evicted_over_limit"] = warm_ev["median"] / limit_cold
-            fs, rw = io[str(n)]["fs_l2"], io[str(n)]["raw"]
-            row["fs_l2_over_raw"] = {
-                "write": fs["write_gbps"]["median"] / rw["write_gbps"]["median"],
-                "read_warm": fs["read_warm_gbps"]["median"] / rw["read_warm_gbps"]["median"],
-                "read_evicted": fs["read_evicted_gbps"]["median"] / rw["read_evicted_gbps"]["median"],
-            }
-            if n in s.slow_lengths:
-                slow = summary(self._series(c_steps, "slow", n))
-                prewarm = summary(self._series(a_steps, "prewarm", n))
-                raw_prefill = summary(self._series(r_steps, "raw", n))
-                row["throttled_auto_ttft_s"] = slow
-                row["throttled_loaded_tokens"] = [c_steps[f"slow:{n}:{i}"]["num_cached_tokens"] for i in range(s.runs)]
-                fresh = summary(self._series(c_steps, "fresh", n))
-                row["throttled_cold_ttft_s"] = fresh
-                row["throttled_over_cold"] = slow["median"] / fresh["median"]
-                row["throttled_over_replica_a_cold"] = slow["median"] / cold["median"]
-                row["prewarm_s"] = prewarm
-                row["prewarm_tokens"] = len(a_steps[f"prewarm:{n}:0"]["ids"])
-                row["raw_prefill_s"] = raw_prefill
-                row["prewarm_over_raw"] = prewarm["median"] / raw_prefill["median"]
-                raw_local = summary(self._series(r_steps, "rawlocal", n))
-                row["local_raw_engine_ttft_s"] = raw_local
-                # the engine's own best case (no prefixshare) at the P6 documents' length
-                read_bw = raw["read_warm_gbps"]["median"] * 1e9
-                row["limit_engine_page_cache_warm_s"] = raw_local["median"] + kv_bytes / read_bw
-                row["warm_over_engine_limit"] = warm["median"] / row["limit_engine_page_cache_warm_s"]
-            per_length[str(n)] = row
-        cost_c = (c.get("stats") or {}).get("cost", {})
-        cost_c0 = (c0.get("stats") or {}).get("cost", {})
+            per_length[str(n)] = self._length_row(n, kvb, io, overhead, a_steps, b_steps, be_steps, r_steps, c_steps)
         results = {
             "command": s.command,
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
@@ -380,19 +364,100 @@ class Bench:
             "kv_bytes_per_token": {"measured": kv_measured, "plan": predicted,
                                    "agree": kv_measured["bytes_per_token"] == predicted},
             "per_length": per_length,
-            "cost_aware": {
-                "throttle": {"chunk_delay_s": s.chunk_delay_s, "chunk_tokens": s.chunk_size},
-                "learning_replica": {"decisions": cost_c0.get("decisions"), "recent": cost_c0.get("recent"),
-                                     "ttft_s": {t: st["seconds"] for t, st in self._by_tag(c0).items()}},
-                "measured_replica": {"decisions": cost_c.get("decisions"), "estimates": cost_c.get("estimates"),
-                                     "median_abs_error": cost_c.get("median_abs_error"),
-                                     "recent": cost_c.get("recent")},
-            },
+            "cost_aware": self._cost_aware(c0, c),
             "replica_stats": {"A": _slim(a.get("stats")), "C": _slim(c.get("stats"))},
             "timings": self.timings,
         }
         results["goals"] = evaluate(results)
         return results
+
+    def _length_row(self, n: int, kvb: int, io: dict[str, Any], overhead: dict[str, Any], a_steps: dict[str, Any],
+                    b_steps: dict[str, Any], be_steps: dict[str, Any], r_steps: dict[str, Any],
+                    c_steps: dict[str, Any]) -> dict[str, Any]:
+        """The results of one prompt length: TTFTs against the limits (P1, P2), the store's I/O (P3), the overhead
+        (P5) and, at the P4 and P6 lengths, the throttled store and pre-warm measures."""
+        s = self.s
+        cold = summary(self._series(a_steps, "cold", n))
+        local = summary(self._series(a_steps, "local", n))
+        warm = summary(self._series(b_steps, "warm", n))
+        loaded = [b_steps[f"warm:{n}:{i}"]["num_cached_tokens"] for i in range(s.runs)]
+        kv_bytes = n * kvb
+        raw = io[str(n)]["raw"]
+        limit_warm = local["median"] + kv_bytes / (raw["read_warm_gbps"]["median"] * 1e9)
+        limit_cold = local["median"] + kv_bytes / (raw["read_evicted_gbps"]["median"] * 1e9)
+        row: dict[str, Any] = {
+            "tokens": n, "kv_bytes": kv_bytes,
+            "cold_ttft_s": cold, "warm_ttft_s": warm, "local_ttft_s": local,
+            "warm_loaded_tokens": summary([float(x) for x in loaded]),
+            "speedup_cold_over_warm": cold["median"] / warm["median"],
+            "speedup_cold_over_local": cold["median"] / local["median"],
+            "limit_page_cache_warm_s": limit_warm, "limit_evicted_s": limit_cold,
+            "warm_over_limit": warm["median"] / limit_warm,
+            "io": io[str(n)],
+            "overhead_us": overhead[str(n)],
+            "overhead_pct_of_warm_ttft": overhead[str(n)]["total_us"] / 1e6 / warm["median"] * 100,
+            "overhead_pct_of_cold_ttft": overhead[str(n)]["total_us"] / 1e6 / cold["median"] * 100,
+        }
+        if be_steps:
+            warm_ev = summary(self._series(be_steps, "warm", n))
+            row["warm_evicted_ttft_s"] = warm_ev
+            row["warm_evicted_over_limit"] = warm_ev["median"] / limit_cold
+        row["fs_l2_over_raw"] = _fs_l2_over_raw(io[str(n)])
+        if n in s.slow_lengths:
+            row.update(self._slow_fields(row, a_steps, r_steps, c_steps))
+        return row
+
+    def _slow_fields(self, row: dict[str, Any], a_steps: dict[str, Any], r_steps: dict[str, Any],
+                     c_steps: dict[str, Any]) -> dict[str, Any]:
+        """A P4/P6 length's further fields of its row (``row`` holds its cold and warm TTFTs and its I/O):
+        the throttled store (P4), pre-warm vs raw prefill (P6) and the raw engine's own local TTFT."""
+        n, kv_bytes, raw = row["tokens"], row["kv_bytes"], row["io"]["raw"]
+        slow = summary(self._series(c_steps, "slow", n))
+        prewarm = summary(self._series(a_steps, "prewarm", n))
+        raw_prefill = summary(self._series(r_steps, "raw", n))
+        fresh = summary(self._series(c_steps, "fresh", n))
+        raw_local = summary(self._series(r_steps, "rawlocal", n))
+        # the engine's own best case (no prefixshare) at the P6 documents' length
+        read_bw = raw["read_warm_gbps"]["median"] * 1e9
+        limit_engine = raw_local["median"] + kv_bytes / read_bw
+        return {
+            "throttled_auto_ttft_s": slow,
+            "throttled_loaded_tokens": [c_steps[f"slow:{n}:{i}"]["num_cached_tokens"] for i in range(self.s.runs)],
+            "throttled_cold_ttft_s": fresh,
+            "throttled_over_cold": slow["median"] / fresh["median"],
+            "throttled_over_replica_a_cold": slow["median"] / row["cold_ttft_s"]["median"],
+            "prewarm_s": prewarm,
+            "prewarm_tokens": len(a_steps[f"prewarm:{n}:0"]["ids"]),
+            "raw_prefill_s": raw_prefill,
+            "prewarm_over_raw": prewarm["median"] / raw_prefill["median"],
+            "local_raw_engine_ttft_s": raw_local,
+            "limit_engine_page_cache_warm_s": limit_engine,
+            "warm_over_engine_limit": row["warm_ttft_s"]["median"] / limit_engine,
+        }
+
+    def _cost_aware(self, c0: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
+        """P4's cost model: the throttle, the learning replica's (C0) and the measured replica's (C) decisions."""
+        s = self.s
+        cost_c = (c.get("stats") or {}).get("cost", {})
+        cost_c0 = (c0.get("stats") or {}).get("cost", {})
+        return {
+            "throttle": {"chunk_delay_s": s.chunk_delay_s, "chunk_tokens": s.chunk_size},
+            "learning_replica": {"decisions": cost_c0.get("decisions"), "recent": cost_c0.get("recent"),
+                                 "ttft_s": {t: st["seconds"] for t, st in self._by_tag(c0).items()}},
+            "measured_replica": {"decisions": cost_c.get("decisions"), "estimates": cost_c.get("estimates"),
+                                 "median_abs_error": cost_c.get("median_abs_error"),
+                                 "recent": cost_c.get("recent")},
+        }
+
+
+def _fs_l2_over_raw(io: dict[str, Any]) -> dict[str, float]:
+    """One length's fs L2 throughput over raw sequential I/O: write, read (page cache warm), read evicted."""
+    fs, rw = io["fs_l2"], io["raw"]
+    return {
+        "write": fs["write_gbps"]["median"] / rw["write_gbps"]["median"],
+        "read_warm": fs["read_warm_gbps"]["median"] / rw["read_warm_gbps"]["median"],
+        "read_evicted": fs["read_evicted_gbps"]["median"] / rw["read_evicted_gbps"]["median"],
+    }
 
 
 def _decision_of(result: dict[str, Any], tag: str) -> dict[str, Any] | None:

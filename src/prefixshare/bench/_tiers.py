@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixshare._env import LMCACHE_QUIET
 from prefixshare._log import get_logger
 from prefixshare.bench._micro import evict, machine, summary
 
@@ -111,7 +112,7 @@ def build_adapter(tier: Any, l1: Any) -> tuple[Any, Any]:
     config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[adapter_spec(tier)])).adapters[0]
     if config.serde_config is not None:  # the server would wrap the adapter; no tier renders serde today
         raise TierBenchError(f"{label(tier)}: serde wrappers are not measured here")
-    with _environment({"LMCACHE_TRACK_USAGE": "false", **tier.server_env()}):
+    with _environment({**LMCACHE_QUIET, **tier.server_env()}):
         adapter = create_l2_adapter(config, l1.get_l1_memory_desc())
     adapter.set_backend_identity(get_type_name_for_config(config), shared=config.shared)
     return adapter, config
