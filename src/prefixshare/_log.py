@@ -1,8 +1,12 @@
 """Structured logging: one structlog logger per module, bound context instead of formatted strings.
 
-Library code calls :func:`get_logger` and binds context (``policy``, ``server``, ``fingerprint``...).
-Applications keep full control over rendering; :func:`configure` is an opt-in helper for the CLI and
-the demo (console or JSON lines on stderr).
+Library code calls :func:`get_logger` and binds context (``policy``, ``server``, ``fingerprint``...). As
+structlog advises for libraries, nothing here configures structlog on import or on a logger's creation:
+applications keep full control over rendering. :func:`configure` is the opt-in helper the CLI, the demo and
+the benchmark's replicas call (console or JSON lines on stderr); code that runs in processes prefixshare's
+connectors and server plugins are loaded into calls :func:`configure_from_environment`, which follows what
+``configure`` exported in the process that started them (warnings and errors on stderr by default) and
+leaves a structlog configuration already in place alone.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ ENV_JSON = "PREFIXSHARE_LOG_JSON"
 
 
 def get_logger(name: str, **context: Any) -> structlog.stdlib.BoundLogger:
-    if not structlog.is_configured():
-        # A library stays quiet unless asked: warnings and errors on stderr until configure() is called.
-        # Engine processes we never configure (schedulers, workers) follow the settings configure() left
-        # in the environment of the process that started them.
-        configure(level=os.environ.get(ENV_LEVEL, "WARNING"), json=os.environ.get(ENV_JSON) == "1")
-    # A lazy proxy: it picks up configure() even when created at import time.
+    # A lazy proxy: it picks up the configuration in force when it first logs, even when created at import time.
     return structlog.get_logger(name, **context)
+
+
+def configure_from_environment() -> None:
+    """In an engine or server process prefixshare's code is loaded into (schedulers, workers, the MP server):
+    log as the process that started it was configured (``PREFIXSHARE_LOG_LEVEL``/``PREFIXSHARE_LOG_JSON``;
+    warnings and errors on stderr when unset), unless structlog is configured already."""
+    if not structlog.is_configured():
+        configure(level=os.environ.get(ENV_LEVEL, "WARNING"), json=os.environ.get(ENV_JSON) == "1")
 
 
 def configure(level: str = "INFO", json: bool = False) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixshare import _metrics
-from prefixshare._log import get_logger
+from prefixshare._log import configure_from_environment, get_logger
 from prefixshare.errors import IncompatibleError
 from prefixshare.fingerprint import EngineSettings, explain, lora_digest, write_manifest
 from prefixshare.keys import (
@@ -110,6 +110,7 @@ class ConnectorRuntime(StatsPublisher):
         role: str,
         tokenizer_dir: str | None = None,
     ) -> None:
+        configure_from_environment()  # an engine's process: log as the process that started the engine
         self.policy = load_policy(extra)
         self.role = role
         self.engine = settings.engine

@@ -32,7 +32,7 @@ from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 
-from prefixshare._log import get_logger
+from prefixshare._log import configure_from_environment, get_logger
 from prefixshare.server.plugins import integrity
 
 log = get_logger("prefixshare.store")
@@ -50,6 +50,7 @@ class CheckedFSL2Adapter(FSL2Adapter):
     """fs L2 adapter whose chunks carry a digest that every load verifies."""
 
     def __init__(self, config: FSL2AdapterConfig | dict[str, Any], l1_memory_desc: Any = None) -> None:
+        configure_from_environment()  # the MP server's process: log as the process that started it
         if isinstance(config, dict):
             config = CheckedFSL2AdapterConfig.from_dict(config)
         config.use_odirect = False

@@ -37,7 +37,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
-from prefixshare._log import get_logger
+from prefixshare._log import configure_from_environment, get_logger
 from prefixshare._net import connect_error
 
 if TYPE_CHECKING:
@@ -126,6 +126,7 @@ class MooncakeStoreL2Adapter(L2AdapterInterface):
     signals its event fd when done (the fs adapter's contract)."""
 
     def __init__(self, params: dict[str, Any], l1_memory_desc: Any = None, *, store: Any = None) -> None:
+        configure_from_environment()  # the MP server's process: log as the process that started it
         super().__init__()
         params = check_params(dict(params))
         self._prefix = str(params.get("key_prefix") or "prefixshare")
