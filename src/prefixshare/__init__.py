@@ -9,9 +9,9 @@ is fast and needs none of torch, vLLM, SGLang or LMCache::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from prefixshare._lazy import lazy_exports
 from prefixshare._version import __version__
 
 # public name -> module that defines it (imported lazily by __getattr__)
@@ -53,13 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from prefixshare.server import LMCacheServer
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'prefixshare' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

@@ -21,9 +21,9 @@ The rules need only the standard library, so importing this package is light; th
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from prefixshare._lazy import lazy_exports
 from prefixshare._units import parse_duration, parse_size
 from prefixshare.policies._rules import (
     TTL,
@@ -65,14 +65,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'prefixshare.policies' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     "TTL",

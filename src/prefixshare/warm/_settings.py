@@ -10,15 +10,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from prefixshare._env import VLLM_QUIET
 from prefixshare.policies import Policy
 
 #: environment for a quiet in-process vLLM engine (set only where the user has not)
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process: ~3 s start instead of ~35 s
     "HF_HUB_OFFLINE": "1",
-    "LMCACHE_TRACK_USAGE": "false",
-    "LMCACHE_DISABLE_BANNER": "1",
-    "VLLM_NO_USAGE_STATS": "1",
+    **VLLM_QUIET,
     "TOKENIZERS_PARALLELISM": "false",
 }
 QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.stderr",

@@ -27,6 +27,8 @@ from typing import Literal
 
 import blake3
 
+from prefixshare.keys import DATA_SUFFIX
+
 MAGIC = b"PSKV"
 VERSION = 1
 ALGORITHM_BLAKE3 = 1
@@ -35,7 +37,6 @@ DIGEST_BYTES = 32
 TRAILER_BYTES = _HEAD.size + DIGEST_BYTES  # 48
 #: suffix given to a chunk file found damaged on load: lookups stop finding it; ``gc --damaged`` removes it
 QUARANTINE_SUFFIX = ".corrupt"
-DATA_SUFFIX = ".data"
 
 Verdict = Literal["ok", "truncated", "unverified", "bad-trailer", "digest-mismatch", "missing", "unreadable"]
 
