@@ -363,3 +363,40 @@ def test_sglang_remembers_which_chunk_prefixes_it_sent() -> None:
     assert sent.known(keys) == 2
     sent.add(sent.digests(list(range(100, 120)), ""))  # 5 more: the limit keeps the 6 most recent
     assert sent.known(keys) == 0  # the first chunk was forgotten: the prefix is sent again (never wrongly skipped)
+
+
+def test_sglang_backend_state_needs_no_sglang(tmp_path: Path, policy: Policy) -> None:
+    """The SGLang backend's own state (health gate, cost timings) is importable and testable without SGLang, in a
+    fresh process that never imports it."""
+    import subprocess
+    import sys
+
+    from prefixshare.model import ensure_model
+
+    model = ensure_model(tmp_path.parent / "stats-model", shape="tiny", seed=0)
+    auto = policy.model_copy(update={"load": policy.load.model_copy(update={"mode": "auto"})})
+    code = f"""
+import json, sys
+from prefixshare.adapters.sglang._state import BackendState
+from prefixshare.fingerprint import EngineSettings
+from prefixshare.runtime import ConnectorRuntime
+settings = EngineSettings(engine="sglang", kv_layout="sglang/cpu/paged", kv_dtype="float32", block_size=16)
+rt = ConnectorRuntime({{"prefixshare.policy": json.loads({json.dumps(json.dumps(auto.to_dict()))}),
+                        "prefixshare.instance": "sgl-state"}}, model_dir={str(model)!r}, settings=settings,
+                      role="scheduler")
+state = BackendState(rt)
+reachable = state.store_reachable()  # nothing listens on the policy's port: the store is marked down
+down = rt.store_available()
+assert state.start_timing("r1", 300, 0) and not state.start_timing("r1", 300, 0)
+state.observe_checkpoint("r1", 128)
+state.observe_checkpoint("r1", 299)
+prefill_n = rt.cost.prefill.n
+state.forget("r1")
+print(json.dumps([reachable, down, prefill_n, "r1" in state.timing, "sglang" in sys.modules]))
+rt.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    reachable, down, prefill_n, timed, sglang_loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reachable is False and down is False  # refused port: skipped, and known down until a probe answers
+    assert prefill_n >= 1 and not timed  # each checkpoint timed a prefill chunk; forgotten at release
+    assert sglang_loaded is False
