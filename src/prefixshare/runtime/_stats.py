@@ -27,6 +27,8 @@ from prefixshare._paths import run_dir
 
 @dataclass
 class Stats:
+    """One connector's counters (scheduler side: what :func:`read_stats` merges)."""
+
     requests: int = 0
     lookups: int = 0
     hits: int = 0
@@ -64,7 +66,6 @@ class Stats:
             "lookup_ms": summary(self.lookup_ms),
             "load_ms": summary(self.load_ms),
         }
-
 
 
 class StatsPublisher:
