@@ -116,13 +116,17 @@ def init_cmd(
 
 
 @handles_errors
-def validate_cmd(file: Path = typer.Argument(..., help="Policy YAML file."), json: bool = JSON_OPTION) -> None:
-    """Check a policy: exit 0 when valid, 2 with every field-level problem."""
+def validate_cmd(file: Path = typer.Argument(..., help="Policy YAML file ('-': read it from stdin)."),
+                 json: bool = JSON_OPTION) -> None:
+    """Check a policy: exit 0 when valid, 2 with every field-level problem
+    (`prefixshare policy init ... | prefixshare policy validate -` checks a starter as written)."""
+    import sys
+
     from prefixshare.errors import PolicyError
     from prefixshare.policies import Policy
 
     try:
-        policy = Policy.from_yaml(str(file))
+        policy = Policy.from_text(sys.stdin.read(), "<stdin>") if str(file) == "-" else Policy.from_yaml(str(file))
     except PolicyError as exc:
         if json:
             emit_json({"valid": False, "file": str(file), "problems": _problems_json(exc)})

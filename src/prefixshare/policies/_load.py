@@ -78,6 +78,11 @@ def resolve_presets(data: dict[str, Any], source: str | None) -> dict[str, Any]:
     return _merge(base, data)
 
 
+def parse_policy_text(text: str, source: str) -> dict[str, Any]:
+    """A policy's mapping from YAML text (``source`` names it in error messages, e.g. ``<stdin>``)."""
+    return _parse_yaml(text, source)
+
+
 def parse_policy_file(path: str | Path) -> tuple[dict[str, Any], str]:
     """A policy file's mapping and its source name (for error messages)."""
     p = Path(path)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from prefixshare.errors import _MISSING, FieldProblem, PolicyError
 from prefixshare.policies._errors import prefixed, problems_from, to_policy_error
-from prefixshare.policies._load import parse_policy_file, resolve_presets
+from prefixshare.policies._load import parse_policy_file, parse_policy_text, resolve_presets
 from prefixshare.policies._render import legacy_config, server_argv
 from prefixshare.policies._rules import Rule, rule_from_config
 from prefixshare.tiers import TierConfig, known_tiers, problem, tier_class
@@ -261,6 +261,11 @@ class Policy(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path) -> Policy:
         return load_policy_file(path)
+
+    @classmethod
+    def from_text(cls, text: str, source: str = "<text>") -> Policy:
+        """A policy from YAML text (what a policy file holds); ``source`` names it in error messages."""
+        return policy_from_mapping(parse_policy_text(text, source), source=source)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> Policy:
