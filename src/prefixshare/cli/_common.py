@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 a check failed (e.g. fingerprints differ, verdict negative),
 
 from __future__ import annotations
 
+import enum
 import functools
 import json as _json
 import sys
@@ -23,6 +24,14 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+if sys.version_info >= (3, 11):
+    StrEnum = enum.StrEnum
+else:  # Python 3.10: the same behaviour for option choices (str() is the value)
+
+    class StrEnum(str, enum.Enum):
+        def __str__(self) -> str:
+            return str(self.value)
 
 JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +13,7 @@ from prefixshare.cli._common import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
     JSON_OPTION,
+    StrEnum,
     emit_json,
     err,
     handles_errors,

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from pathlib import Path
 
 import typer
 
-from prefixshare.cli._common import JSON_OPTION, emit_json, handles_errors, out
+from prefixshare.cli._common import JSON_OPTION, StrEnum, emit_json, handles_errors, out
 from prefixshare.model import SHAPES
 
 
-class ShapeName(enum.StrEnum):
+class ShapeName(StrEnum):
     """Choices of ``--shape`` (the keys of :data:`prefixshare.model.SHAPES`)."""
 
     tiny = "tiny"

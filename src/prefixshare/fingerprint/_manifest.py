@@ -21,7 +21,7 @@ import json
 import os
 import socket
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,7 +123,7 @@ def write_manifest(
         "format": MANIFEST_FORMAT,
         "digest": fp.digest,
         "fingerprint": fp.model_dump(mode="json"),
-        "created_at": datetime.now(UTC).isoformat(),
+        "created_at": datetime.now(timezone.utc).isoformat(),
         "host": socket.gethostname(),
         "prefixshare_version": __version__,
         "extra": extra or {},

@@ -14,11 +14,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prefixshare.plan._errors import PlanError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from importlib.resources.abc import Traversable  # Python >= 3.11 (annotations only)
 
 AttentionKind = Literal["mha", "gqa", "mqa", "mla"]
 

@@ -7,7 +7,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,7 @@ def scan_store(policy: Policy) -> StoreScan:
 
 
 def _iso(ts: float | None) -> str | None:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds") if ts is not None else None
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds") if ts is not None else None
 
 
 def local_hits() -> dict[str, dict[str, int]]:

@@ -8,7 +8,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -510,7 +510,7 @@ def _record(item: _Planned, res: DocumentResult, fingerprint: str, ns: str, chun
         chunk_tokens=len(item.hashes) * chunk_size, chunk_size=chunk_size, chunks=len(item.hashes),
         chunk_hashes=item.hashes, objects=objects, salt=salt, tenant=tenant, bytes=res.bytes,
         fingerprint=fingerprint, namespace=ns, model=model_dir, engine=engine,
-        warmed_at=datetime.now(UTC).isoformat(timespec="seconds"), host=socket.gethostname(),
+        warmed_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=socket.gethostname(),
         seconds=res.seconds, prefixshare_version=__version__,
     )
 
