@@ -91,8 +91,8 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 
 def _edges() -> Iterator[Edge]:
     """Every prefixshare import of every prefixshare module: module level and inside functions, plus the
-    dotted names a module hands to ``importlib.import_module`` or keeps as a lazy registry's ``"module:Attr"``. ``from a import b`` is an edge to ``a.b``
-    when that is a module, else to ``a``. Imports under ``if TYPE_CHECKING:`` are left out."""
+    dotted names a module hands to ``importlib.import_module`` or keeps as a lazy registry's ``"module:Attr"``.
+    ``from a import b`` is an edge to ``a.b`` when that is a module, else to ``a``. Imports under ``if TYPE_CHECKING:`` are left out."""
     for path in sorted(ROOT.rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
         module = ".".join(("prefixshare", *(parts[:-1] if parts[-1] == "__init__" else parts)))

@@ -1,7 +1,8 @@
 """``prefixshare bench``: cross-replica prefill cost cut against the physical limit, and cost-aware loading.
 
-Nothing here is imported by ``import prefixshare``; the CLI imports this package when the command runs. Replicas are fresh processes (:mod:`prefixshare.bench._replica`); the throttled store used for
-cost-aware loading is an LMCache L2 plugin (:mod:`prefixshare.bench._throttle`) loaded by the MP server.
+Nothing here is imported by ``import prefixshare``; the CLI imports this package when the command runs.
+Replicas are fresh processes (:mod:`prefixshare.bench._replica`); the throttled store used for cost-aware
+loading is an LMCache L2 plugin (:mod:`prefixshare.bench._throttle`) loaded by the MP server.
 """
 
 from prefixshare.bench._run import Settings, render_results, run_bench

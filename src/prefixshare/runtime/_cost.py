@@ -36,7 +36,6 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import blake3
@@ -408,8 +407,8 @@ class CostModel:
                                       "measurement, the store is looked up once")
         else:
             choice, reason = "recompute", "recompute predicted faster"
-        d = LoadDecision(request_id, "before_lookup", choice, reason, self.mode, prompt_tokens, local_tokens, load_tokens,
-                     load_tokens * self.kv_bytes_per_token, load, recompute)
+        d = LoadDecision(request_id, "before_lookup", choice, reason, self.mode, prompt_tokens, local_tokens,
+                         load_tokens, load_tokens * self.kv_bytes_per_token, load, recompute)
         if rest is not None:
             chosen = load if choice == "load" else recompute
             d.predicted_s = None if chosen is None else chosen + rest
@@ -430,8 +429,8 @@ class CostModel:
             choice, reason = "load", "load predicted faster"
         else:
             choice, reason = "recompute", "recompute predicted faster than the transfer"
-        d = LoadDecision(request_id, "after_lookup", choice, reason, self.mode, prompt_tokens, local_tokens, load_tokens,
-                     load_tokens * self.kv_bytes_per_token, xfer, recompute)
+        d = LoadDecision(request_id, "after_lookup", choice, reason, self.mode, prompt_tokens, local_tokens,
+                         load_tokens, load_tokens * self.kv_bytes_per_token, xfer, recompute)
         if rest is not None:
             chosen = xfer if choice == "load" else recompute
             d.predicted_s = None if chosen is None else (lookup_s or 0.0) + chosen + rest
@@ -453,9 +452,9 @@ class CostModel:
     def decide_deadline(self, request_id: str, prompt_tokens: int, local_tokens: int, waited_s: float) -> LoadDecision:
         recompute = self.prefill_s(local_tokens, prompt_tokens)
         d = LoadDecision(request_id, "deadline", "recompute",
-                     f"the lookup ran {waited_s:.3f} s, over {DEADLINE_FACTOR:g}x the predicted recompute", self.mode,
-                     prompt_tokens, local_tokens, 0, 0, None, recompute,
-                     predicted_s=None if recompute is None else waited_s + recompute)
+                         f"the lookup ran {waited_s:.3f} s, over {DEADLINE_FACTOR:g}x the predicted recompute", self.mode,
+                         prompt_tokens, local_tokens, 0, 0, None, recompute,
+                         predicted_s=None if recompute is None else waited_s + recompute)
         d.observed_lookup_s = waited_s
         previous = self.pending.get(request_id)
         if previous is not None:

@@ -31,9 +31,13 @@ class VllmEngine:
             )
         self.ps = ps
         self.llm = llm
-        self.engine = llm
         self.vllm_config = cfg
         self._fp: Fingerprint | None = None
+
+    @property
+    def engine(self) -> Any:
+        """The engine this wraps (as ``SglangEngine.engine``; ``PrefixShare.warm_engine`` keys its cache by it)."""
+        return self.llm
 
     @property
     def tokenizer(self) -> Any:
