@@ -286,7 +286,7 @@ def test_refuses_foreign_or_invalid_targets(tmp_path: Path) -> None:
     a_file.write_text("x")
     with pytest.raises(ModelError, match="not a directory"):
         create_model(a_file)
-    with pytest.raises(ModelError, match="unknown model shape"):
+    with pytest.raises(ModelError, match="unknown llama shape .huge.; choose one of: tiny, demo, bench"):
         create_model(tmp_path / "x", shape="huge")
     with pytest.raises(ModelError, match="seed"):
         create_model(tmp_path / "x", seed=-1)
@@ -395,6 +395,82 @@ def test_cli_errors(cli: Callable[..., Any], tmp_path: Path) -> None:
     conflict = cli("model", "create", str(target), "--seed", "11")
     assert conflict.exit_code == 2
     assert "--overwrite" in conflict.stderr and "Traceback" not in conflict.output
+
+
+# --- Qwen3 --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_model(tmp_path_factory.mktemp("models") / "qwen3-0", shape="tiny", seed=0, arch="qwen3")
+
+
+def test_qwen3_keeps_the_qwen3_8b_head_geometry_in_bf16(qwen3: Path) -> None:
+    from safetensors import safe_open
+
+    info = model_info(qwen3)
+    assert (info.arch, info.shape, info.parameters) == ("qwen3", "tiny", parameter_count("tiny", arch="qwen3"))
+    config = json.loads((qwen3 / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    assert (config["num_key_value_heads"], config["head_dim"], config["num_attention_heads"]) == (8, 128, 16)
+    assert config["dtype"] == "bfloat16" and config["bos_token_id"] is None
+    assert kv_bytes_per_token("tiny", arch="qwen3") == 3 * 8 * 128 * 2 * 2
+    with safe_open(str(qwen3 / "model.safetensors"), "pt") as fh:
+        names = list(fh.keys())
+        assert {str(fh.get_slice(n).get_dtype()) for n in names} == {"BF16"}
+    # the per-head q/k RMS norms that set Qwen3 apart from Llama, one weight per head dim
+    assert "model.layers.0.self_attn.q_norm.weight" in names and "model.layers.0.self_attn.k_norm.weight" in names
+    model, loading = transformers.AutoModelForCausalLM.from_pretrained(qwen3, output_loading_info=True,
+                                                                       dtype=torch.float32)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"] and not loading["mismatched_keys"]
+    tok = transformers.AutoTokenizer.from_pretrained(qwen3)
+    outs = [hf_greedy(model.eval(), tok(document_text(60, seed=s)).input_ids, 12) for s in (1, 2)]
+    assert outs[0] != outs[1] and all(len(set(o)) > 4 for o in outs), outs
+
+
+def test_qwen3_tokenizer_and_chat_template(qwen3: Path) -> None:
+    from prefixshare.model import QWEN3_CHAT_TEMPLATE
+
+    tok = transformers.AutoTokenizer.from_pretrained(qwen3)
+    assert json.loads((qwen3 / "tokenizer_config.json").read_text())["chat_template"] == QWEN3_CHAT_TEMPLATE
+    assert len(tok) == VOCAB_SIZE and tok.bos_token_id is None
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token, tok.pad_token_id) == ("<|im_end|>", 2, "<|endoftext|>", 0)
+    plain = tok("Hello world").input_ids
+    assert plain == tok("Hello world", add_special_tokens=False).input_ids  # no BOS, like Qwen3
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    quiet = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert quiet == text + "<think>\n\n</think>\n\n"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3 and ids.count(tok.eos_token_id) == 2
+    with pytest.raises(Exception, match="unsupported role"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def test_qwen3_shapes_match_transformers() -> None:
+    from prefixshare.model import QWEN3_SHAPES
+
+    assert set(QWEN3_SHAPES) == {"tiny", "demo"}
+    for name, fields in QWEN3_SHAPES.items():
+        assert (fields["num_key_value_heads"], fields["head_dim"]) == (8, 128)
+        with torch.device("meta"):
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields))
+        assert sum(p.numel() for p in model.parameters()) == parameter_count(name, arch="qwen3")
+
+
+def test_arch_is_part_of_the_model_identity(qwen3: Path, tmp_path: Path, cli: Callable[..., Any]) -> None:
+    assert create_or_reuse(qwen3, shape="tiny", seed=0, arch="qwen3") == (qwen3, True)
+    with pytest.raises(ModelError, match="arch='qwen3'.*overwrite"):
+        create_model(qwen3, shape="tiny", seed=0)  # the Llama of the same shape and seed is another model
+    with pytest.raises(ModelError, match="unknown qwen3 shape 'bench'; choose one of: tiny, demo"):
+        create_model(tmp_path / "q", shape="bench", arch="qwen3")
+    with pytest.raises(ModelError, match="unknown architecture 'gpt2'"):
+        create_model(tmp_path / "q", arch="gpt2")
+    result = cli("model", "create", str(qwen3), "--arch", "qwen3", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["arch"] == "qwen3" and json.loads(result.stdout)["reused"] is True
+    assert cli("model", "create", str(tmp_path / "q"), "--arch", "qwen3", "--shape", "bench").exit_code == 2
 
 
 # --- vLLM ---------------------------------------------------------------------------------------

@@ -233,15 +233,16 @@ def test_example_shapes_are_identical_to_shipped_copies() -> None:
     assert examples == shipped, "examples/models/*.json must be identical copies of src/prefixshare/plan/shapes/"
 
 
-@pytest.mark.parametrize("name", ["tiny", "demo", "bench"])
-def test_local_shapes_match_the_model_generator(name: str) -> None:
-    """The shipped tiny/demo/bench files describe the models ``prefixshare.model`` generates."""
+@pytest.mark.parametrize(("name", "arch", "shape"), [("tiny", "llama", "tiny"), ("demo", "llama", "demo"),
+                                                   ("bench", "llama", "bench"), ("qwen3-tiny", "qwen3", "tiny")])
+def test_local_shapes_match_the_model_generator(name: str, arch: str, shape: str) -> None:
+    """The shipped tiny/demo/bench/qwen3-tiny files describe the models ``prefixshare.model`` generates."""
     model_shapes = pytest.importorskip("prefixshare.model._shapes")
-    generated = dict(model_shapes.SHAPES[name])
+    generated = dict(model_shapes.shape_fields(shape, arch))
     shipped = json.loads((PACKAGE_SHAPES / f"{name}.json").read_text())
     for key, value in generated.items():
         assert shipped["torch_dtype" if key == "dtype" else key] == value, key
-    assert kv_bytes_per_token(shape_from_config(name)) == model_shapes.kv_bytes_per_token(name)
+    assert kv_bytes_per_token(shape_from_config(name)) == model_shapes.kv_bytes_per_token(shape, arch=arch)
 
 
 def test_model_shape_direct_construction_validates() -> None:

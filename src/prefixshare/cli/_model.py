@@ -8,18 +8,26 @@ from pathlib import Path
 import typer
 
 from prefixshare.cli._common import JSON_OPTION, StrEnum, emit_json, handles_errors, out
-from prefixshare.model import SHAPES
+from prefixshare.model import ARCH_SHAPES
 
 
 class ShapeName(StrEnum):
-    """Choices of ``--shape`` (the keys of :data:`prefixshare.model.SHAPES`)."""
+    """Choices of ``--shape`` (every architecture's shape names; not every architecture has every shape)."""
 
     tiny = "tiny"
     demo = "demo"
     bench = "bench"
 
 
-assert {s.value for s in ShapeName} == set(SHAPES), "ShapeName is out of sync with SHAPES"
+class ArchName(StrEnum):
+    """Choices of ``--arch`` (the keys of :data:`prefixshare.model.ARCH_SHAPES`)."""
+
+    llama = "llama"
+    qwen3 = "qwen3"
+
+
+assert {a.value for a in ArchName} == set(ARCH_SHAPES), "ArchName is out of sync with ARCH_SHAPES"
+assert {s.value for s in ShapeName} == {n for shapes in ARCH_SHAPES.values() for n in shapes}, "ShapeName is stale"
 
 
 def _human_bytes(n: int) -> str:
@@ -46,7 +54,13 @@ def register(app: typer.Typer) -> None:
         shape: ShapeName = typer.Option(
             ShapeName.tiny,
             "--shape",
-            help="Model size: tiny (4.5M params), demo (27M), bench (144M).",
+            help="Model size. llama: tiny (4.5M params), demo (27M), bench (144M); qwen3: tiny (18M), demo (84M).",
+        ),
+        arch: ArchName = typer.Option(
+            ArchName.llama,
+            "--arch",
+            help="Architecture: llama (fp32, head dim 64) or qwen3 (Qwen3-8B's 8 KV heads x 128, q/k norms, "
+            "bf16, ChatML template).",
         ),
         seed: int = typer.Option(0, "--seed", min=0, help="Seed of the weights and the tokenizer's corpus."),
         overwrite: bool = typer.Option(
@@ -54,15 +68,15 @@ def register(app: typer.Typer) -> None:
         ),
         json: bool = JSON_OPTION,
     ) -> None:
-        """Write a random-weight Llama model and its BPE tokenizer in Hugging Face layout.
+        """Write a random-weight Llama or Qwen3 model and its BPE tokenizer in Hugging Face layout.
 
-        The same shape and seed always give the same files; an existing identical model is reused.
+        The same architecture, shape and seed always give the same files; an existing identical model is reused.
         """
         # Heavy imports (torch, transformers) happen inside create_model.
         from prefixshare.model import create_or_reuse, model_info
 
         started = time.perf_counter()
-        path, reused = create_or_reuse(directory, shape=shape.value, seed=seed, overwrite=overwrite)
+        path, reused = create_or_reuse(directory, shape=shape.value, seed=seed, overwrite=overwrite, arch=arch.value)
         seconds = time.perf_counter() - started
         info = model_info(path)
 
@@ -70,6 +84,7 @@ def register(app: typer.Typer) -> None:
             emit_json(
                 {
                     "path": str(info.path),
+                    "arch": info.arch,
                     "shape": info.shape,
                     "seed": info.seed,
                     "parameters": info.parameters,
@@ -82,7 +97,7 @@ def register(app: typer.Typer) -> None:
             return
         verb = "reused" if reused else "created"
         out.print(f"{verb} {info.path}")
-        out.print(f"  shape       {info.shape} (seed {info.seed})")
+        out.print(f"  model       {info.arch} {info.shape} (seed {info.seed})")
         out.print(f"  parameters  {info.parameters:,}")
         out.print(f"  size        {_human_bytes(info.size_bytes)} on disk")
 
