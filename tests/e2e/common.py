@@ -156,12 +156,12 @@ def policy_for(store: Path, **overrides: Any) -> Policy:
     return Policy.build(**fields)
 
 
-def build_models(work: Path) -> dict[str, Path]:
+def build_models(work: Path, arch: str = "llama") -> dict[str, Path]:
     """The main tiny model, the same weights with another tokenizer, and other weights with the same one."""
     from prefixshare.model import create_model
 
-    main = create_model(work / "main", shape="tiny", seed=0)
-    other = create_model(work / "seed1", shape="tiny", seed=1)
+    main = create_model(work / "main", shape="tiny", seed=0, arch=arch)
+    other = create_model(work / "seed1", shape="tiny", seed=1, arch=arch)
     other_tok = work / "other-tokenizer"
     shutil.copytree(main, other_tok)
     for name in TOKENIZER_FILES:
@@ -186,14 +186,20 @@ def document_ids(model: Path, seed: int, n: int) -> list[int]:
     return ids
 
 
-def corrupt_copy(store: Path, target: Path, sigma: float = 2.0) -> Path:
-    """A copy of a store with Gaussian noise added to every chunk's float32 values."""
+def corrupt_copy(store: Path, target: Path, sigma: float = 2.0, dtype: str = "float32") -> Path:
+    """A copy of a store with Gaussian noise added to every chunk's values (``float32`` or ``bfloat16``)."""
     import numpy as np
 
     shutil.copytree(store, target)
     rng = np.random.default_rng(0)
     for path in target.glob("*.data"):
-        data = np.frombuffer(path.read_bytes(), dtype=np.float32).copy()
-        data += rng.normal(0, sigma, size=data.shape).astype(np.float32)
-        path.write_bytes(data.tobytes())
+        raw = path.read_bytes()
+        if dtype == "bfloat16":  # a bf16 is the high half of a float32: widen, add noise, truncate back
+            values = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+            values = values + rng.normal(0, sigma, size=values.shape).astype(np.float32)
+            path.write_bytes((values.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+        else:
+            data = np.frombuffer(raw, dtype=np.float32).copy()
+            data += rng.normal(0, sigma, size=data.shape).astype(np.float32)
+            path.write_bytes(data.tobytes())
     return target

@@ -4,7 +4,8 @@ A fresh process per replica is the point: nothing is shared with another replica
 ``policy: null`` runs a cold engine without prefixshare (the reference output).
 
 Spec: {"model": DIR, "policy": {...}|null, "instance": STR, "engine": {LLM kwargs},
-       "requests": [{"prompt_token_ids": [...], "max_tokens": N, "params": {...}, "cache_salt": STR}],
+       "requests": [{"prompt_token_ids": [...], "max_tokens": N, "params": {...}, "cache_salt": STR}
+                    | {"messages": [...], "chat_template_kwargs": {...}, ...}],   # LLM.chat: the model's template
        "kill_before": {"INDEX": PID}}      # SIGKILL a process (the store) before request INDEX
 """
 
@@ -58,17 +59,22 @@ def main() -> None:
             temperature=0.0, max_tokens=req.get("max_tokens", 12), logprobs=1, ignore_eos=True,
             extra_args={"kv_transfer_params": req["params"]} if req.get("params") else None,
         )
-        prompt = {"prompt_token_ids": req["prompt_token_ids"]}
-        if req.get("cache_salt"):
-            prompt["cache_salt"] = req["cache_salt"]
         t0 = time.monotonic()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        if "messages" in req:  # rendered by vLLM with the model's own chat template
+            out = llm.chat(req["messages"], params, use_tqdm=False,
+                           chat_template_kwargs=req.get("chat_template_kwargs"))[0]
+        else:
+            prompt = {"prompt_token_ids": req["prompt_token_ids"]}
+            if req.get("cache_salt"):
+                prompt["cache_salt"] = req["cache_salt"]
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
         seconds = time.monotonic() - t0
         comp = out.outputs[0]
         results.append({
             "token_ids": list(comp.token_ids),
             "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)],
             "num_cached_tokens": out.num_cached_tokens or 0,
+            "prompt_token_ids": list(out.prompt_token_ids or []),
             "seconds": seconds,
         })
     result = {"engine_s": engine_s, "results": results, "stats": ps.stats() if ps else None}
