@@ -11,7 +11,7 @@ export LMCACHE_DISABLE_BANNER := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-quick lock clean services
+.PHONY: venv test test-fast demo bench bench-quick lock clean services gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -41,6 +41,14 @@ services:
 	  || { echo "redis-server could not be installed"; test -z "$$CI"; }
 	@/sbin/ldconfig -p | grep -q libibverbs.so.1 || { apt-get update -q && apt-get install -y -q libibverbs1 >/dev/null; } \
 	  || { echo "libibverbs1 could not be installed"; test -z "$$CI"; }
+
+# The GPU check (tests/gpu/, LMCache's CUDA copy on synthetic KV; no engine): make gpu-wheels here, bring the
+# tree with build/gpu-wheels/ to a GPU host, run make gpu-check there (CPU-only machines: the CUDA rows skip).
+gpu-wheels: $(STAMP)
+	PYTHON=$(PY) scripts/gpu-wheels
+
+gpu-check:
+	scripts/gpu-check
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -ra -m "not engine" $(PYTEST_ARGS)

@@ -279,10 +279,15 @@ def _assert_labels_tell_the_truth(objects: dict[str, Any]) -> tuple[bool, bool]:
 
 def test_layout_labels_tell_the_truth_bit_for_bit(per_engine_objects: dict[str, Any]) -> None:
     """Equal stored bytes if and only if equal fingerprints (namespaces): sharing is allowed exactly where the
-    engines' objects are byte-identical. On CPU the layouts differ (vLLM's CPU attention keeps its own
-    blocked layout; SGLang stores split K/V token-major), so the namespaces must differ too."""
+    engines' objects are byte-identical. vLLM 0.32 keeps K and V fused in each head (objects ordered
+    L,T,H,KV,D); SGLang keeps them in separate buffers (KV,L,T,H,D), so the namespaces must differ too."""
     identical, _ = _assert_labels_tell_the_truth(per_engine_objects)
     assert not identical  # on CPU: the two layouts really differ (else this test would check nothing)
+    # each label was checked against the KV the engine registered, as LMCache detects it
+    for engine, order in (("vllm", "L,T,H,KV,D"), ("sglang", "KV,L,T,H,D")):
+        events = [e for e in per_engine_objects[engine + ".result"]["events"] if e.get("event") == "engine.kv_format"]
+        assert events and {e["order"] for e in events} == {order}, (engine, events)
+        assert all(e["layout"].endswith("/cpu/" + order) for e in events), events
 
 
 def test_gpu_layouts_bit_for_bit(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]) -> None:

@@ -10,6 +10,17 @@ imports an engine at module import time. The facade that uses these, :class:`pre
 :mod:`prefixshare.share`.
 """
 
-from prefixshare.adapters._warm import PrefillRequest, PrefillResult, WarmEngine
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prefixshare._lazy import lazy_exports
+
+# imported on first use: the engine-neutral stored-format module (`_format`) needs nothing but LMCache
+_EXPORTS = {name: "prefixshare.adapters._warm" for name in ("PrefillRequest", "PrefillResult", "WarmEngine")}
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prefixshare.adapters._warm import PrefillRequest, PrefillResult, WarmEngine
 
 __all__ = ["PrefillRequest", "PrefillResult", "WarmEngine"]

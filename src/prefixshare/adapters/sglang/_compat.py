@@ -40,3 +40,8 @@ def drop_prefetch(cache: Any, rid: str, handle: Any) -> None:
 def external_flow(cache: Any, rid: str) -> Any:
     """The tree cache's record of a request's store lookup (None when it has none)."""
     return cache._external_flows.get(rid)
+
+
+def registered_kv(connector: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(KV tensors, layout hints) as LMCache's SGLang connector registers them with the MP server."""
+    return dict(getattr(connector, "_kv_caches", None) or {}), {"kv_list_layout": "unified"}

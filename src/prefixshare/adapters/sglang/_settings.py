@@ -3,8 +3,11 @@ and what the fingerprint reads from ``ServerArgs`` (no engine start)."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
+from prefixshare.adapters._format import expected_order, layout_label
 from prefixshare.fingerprint import EngineSettings
 
 #: the radix-cache backend SGLang selects with ``--radix-cache-backend``
@@ -13,11 +16,31 @@ BACKEND = "prefixshare"
 ENV_CONFIG = "PREFIXSHARE_SGLANG"
 
 
+def _mla(model_path: str) -> bool:
+    """Whether the model uses multi-head latent attention (its config names a KV LoRA rank)."""
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    config = config.get("text_config", config)
+    return bool(config.get("kv_lora_rank"))
+
+
+def kv_layout(server_args: Any) -> str:
+    """The label of the objects LMCache stores from SGLang's KV (see :mod:`prefixshare.adapters._format`).
+
+    SGLang keeps K and V in separate buffers per layer (MLA models: one latent buffer), registered with LMCache
+    as every K buffer, then every V buffer: stored objects are ordered ``KV,L,T,H,D``. The backend checks the
+    label against the registered KV (:func:`prefixshare.adapters._format.check_registered`)."""
+    device = str(getattr(server_args, "device", None) or "cuda")
+    return layout_label(device, expected_order(mla=_mla(str(server_args.model_path)), fused=False))
+
+
 def engine_settings(server_args: Any) -> EngineSettings:
     import sglang
 
     version = ".".join(sglang.__version__.split(".")[:2])
-    device = str(getattr(server_args, "device", None) or "cuda")
     kv_dtype = str(getattr(server_args, "kv_cache_dtype", "auto") or "auto")
     if kv_dtype == "auto":
         dtype = str(getattr(server_args, "dtype", "auto") or "auto")
@@ -25,8 +48,7 @@ def engine_settings(server_args: Any) -> EngineSettings:
     return EngineSettings(
         engine="sglang",
         engine_version=version,
-        # engine and version in the label: no other engine's objects are proven byte-identical to these
-        kv_layout=f"sglang-{version}/{device}/paged",
+        kv_layout=kv_layout(server_args),
         kv_dtype=kv_dtype,
         block_size=int(getattr(server_args, "page_size", 1) or 1),
         tp=int(getattr(server_args, "tp_size", 1) or 1),

@@ -2,6 +2,8 @@
 
 * :func:`worker_health_event` — LMCache's worker adapter keeps its server-health flag in a private event;
   the connector's worker side clears it to drop a step's transfers to a dead server.
+* :func:`registered_kv` — the KV tensors and layout hints as LMCache's connector registers them (after its
+  KV-cache-group edits), for the stored-format check.
 * :func:`apply` — a guarded fix for one vLLM 0.32 bug that breaks in-process engines once LMCache is imported.
 
 The bug:
@@ -37,3 +39,13 @@ def apply() -> bool:
 def worker_health_event(worker_adapter: Any) -> Any:
     """LMCache's worker-side health flag (a ``threading.Event``: set while the server answers), or None."""
     return getattr(worker_adapter, "_health_event", None)
+
+
+def registered_kv(connector: Any, kv_caches: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(KV tensors, layout hints) exactly as ``LMCacheMPConnector.register_kv_caches`` hands them on."""
+    from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
+    from lmcache.integration.vllm.utils import vllm_layout_hints
+
+    hints = vllm_layout_hints(getattr(connector, "_vllm_config", None))
+    edited = apply_kv_cache_group_edits(getattr(connector, "_kv_cache_config", None), kv_caches, layout_hints=hints)
+    return dict(edited), dict(hints or {})

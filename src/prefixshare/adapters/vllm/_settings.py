@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from prefixshare.adapters._format import expected_order, layout_label
 from prefixshare.errors import FingerprintError
 from prefixshare.fingerprint import EngineSettings
 
@@ -40,27 +41,23 @@ def model_dirs(vllm_config: VllmConfig) -> tuple[str, str | None]:
 
 
 def kv_layout(vllm_config: VllmConfig) -> str:
-    """How a stored object's bytes are laid out: engine and version, device type and KV layout.
+    """The label of the objects LMCache stores from this engine's KV (see :mod:`prefixshare.adapters._format`).
 
-    The engine and its version are part of the label because no other engine's stored objects have
-    been proven byte-identical to vLLM's (tests/e2e/test_cross_engine.py compares them bit by bit).
+    Derived from the configuration, before any KV exists: vLLM >= 0.32 keeps K and V fused in each head
+    (``[blocks, block, heads, 2 x head dim]`` on every device), MLA models one latent vector per token. The
+    worker checks the label against the KV it registers (:func:`prefixshare.adapters._format.check_registered`).
     """
     import vllm
 
     try:
         from vllm.platforms import current_platform
 
-        device = current_platform.device_type
+        device = str(current_platform.device_type or "unknown")
     except Exception:  # noqa: BLE001
         device = "unknown"
-    try:
-        from vllm.v1.attention.backends.utils import get_kv_cache_layout
-
-        layout = get_kv_cache_layout()
-    except Exception:  # noqa: BLE001
-        layout = "default"
-    version = ".".join(vllm.__version__.split(".")[:2])
-    return f"vllm-{version}/{device}/{layout}"
+    major, minor = (int(x) for x in vllm.__version__.split(".")[:2])
+    mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+    return layout_label(device, expected_order(mla=mla, fused=(major, minor) >= (0, 32)))
 
 
 def engine_settings(vllm_config: VllmConfig) -> EngineSettings:

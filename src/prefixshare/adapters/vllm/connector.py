@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
 
+from prefixshare.adapters._format import check_registered
 from prefixshare.adapters.vllm import _compat
 from prefixshare.adapters.vllm._settings import engine_settings, model_dirs
 from prefixshare.runtime import ConnectorRuntime, PortCheck, RequestInfo, port_open
@@ -133,6 +134,11 @@ class PrefixShareConnector(LMCacheMPConnector):
         return result
 
     # --- worker role: WorkerSide's gate, then LMCache's connector ---------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self.worker_side is not None:
+            self.worker_side.check_format(kv_caches)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.worker_side is not None:
             self.worker_side.gate("RETRIEVE")
@@ -432,6 +438,14 @@ class WorkerSide:
     def __init__(self, connector: PrefixShareConnector, address: tuple[str, int] | None) -> None:
         self.connector = connector
         self.address = address
+
+    def check_format(self, kv_caches: dict[str, Any]) -> None:
+        """The namespace's layout label must describe the KV LMCache copies from; stop the engine if not."""
+        runtime = self.connector.prefixshare
+        label = runtime.fingerprint.engine.kv_layout
+        tensors, hints = _compat.registered_kv(self.connector, kv_caches)
+        order = check_registered(label, tensors, hints, "vllm")
+        runtime.log.info("engine.kv_format", layout=label, order=order, layers=len(tensors))
 
     def gate(self, direction: str) -> None:
         """Before submitting stores (or retrieves) to the server, make sure it is still there.
