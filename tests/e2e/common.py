@@ -16,6 +16,7 @@ from typing import Any
 from conftest import TESTS, free_port
 from prefixshare.bench._procs import parse_events
 from prefixshare.policies import Policy
+from prefixshare.server import LMCacheServer
 
 CHUNK = 64
 LOGPROB_TOL = 1e-4
@@ -107,6 +108,57 @@ def http_server(argv: list[str], env: dict[str, str], log_path: Path, port: int)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, 15)
             proc.wait(timeout=60)
+
+
+def pasted_command(engine: str, policy_file: Path, model: Path, instance: str) -> tuple[list[str], dict[str, str]]:
+    """What `prefixshare vllm-args` / `sglang-args` prints, split as a shell would run it (``K=V ... \\`` then
+    the command); its ``python`` is the one prefixshare and the engine are installed with."""
+    import re
+    import shlex
+
+    exe = Path(sys.executable).parent / "prefixshare"
+    printed = subprocess.run([str(exe), f"{engine}-args", "--policy", str(policy_file), "--model", str(model),
+                              "--instance", instance], capture_output=True, text=True, check=True, timeout=120).stdout
+    words = shlex.split(printed.replace("\\\n", " "))
+    n = next(i for i, w in enumerate(words) if not re.match(r"[A-Z_][A-Z0-9_]*=", w))
+    env, argv = dict(w.split("=", 1) for w in words[:n]), words[n:]
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    return argv, env
+
+
+@contextlib.contextmanager
+def pasted_replicas(engine: str, work: Path, model: Path, policy_file: Path, flags: list[str],
+                    env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """HTTP replicas A and B, each started from the printed command plus ``flags``; yields their base URLs."""
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        for name in ("a", "b"):
+            port = free_port()
+            argv, printed_env = pasted_command(engine, policy_file, model, f"{engine}-clients-{name}")
+            argv += ["--host", "127.0.0.1", "--port", str(port), *flags]
+            urls[name] = stack.enter_context(
+                http_server(argv, {**printed_env, **env}, work / f"{engine}-{name}.log", port))
+        yield urls
+
+
+@contextlib.contextmanager
+def served_by_openai(engine: str, work: Path, flags: list[str], env: dict[str, str],
+                     docs: dict[str, tuple[int, int]]) -> Iterator[dict[str, Any]]:
+    """A tiny model behind two pasted HTTP replicas sharing one LMCache server: ``{"model", "urls", "clients"
+    (an ``openai.OpenAI`` per replica), "docs"}``; ``docs`` maps a name to (words, seed) of a generated text."""
+    from openai import OpenAI
+
+    from prefixshare.model import create_model, document_text
+
+    model = create_model(work / "model", shape="tiny", seed=0)
+    with LMCacheServer(policy_for(work / "store")) as server:
+        policy_file = write_policy_file(work / "policy.yaml", server.policy)
+        with pasted_replicas(engine, work, model, policy_file, flags, env) as urls:
+            clients = {name: OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=180, max_retries=0)
+                       for name, url in urls.items()}
+            texts = {name: document_text(n, seed=seed) for name, (n, seed) in docs.items()}
+            yield {"model": str(model), "urls": urls, "clients": clients, "docs": texts}
 
 
 def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:

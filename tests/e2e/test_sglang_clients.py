@@ -12,20 +12,13 @@ another tenant loads nothing and still gives the cold answer.
 
 from __future__ import annotations
 
-import contextlib
-import re
-import shlex
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import free_port
-from e2e.common import CHUNK, SHIM_ENV, http_server, policy_for, post_json, write_policy_file
-from prefixshare.server import LMCacheServer
+from e2e.common import CHUNK, SHIM_ENV, post_json, served_by_openai
 
 pytestmark = [pytest.mark.engine, pytest.mark.server, pytest.mark.usefixtures("module_cache_dir")]
 
@@ -39,45 +32,11 @@ CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disabl
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", **SHIM_ENV}
 
 
-def pasted_command(policy_file: Path, model: Path, instance: str) -> tuple[list[str], dict[str, str]]:
-    """What `prefixshare sglang-args` prints, split as a shell would run it (``K=V ... \\`` then the command)."""
-    exe = Path(sys.executable).parent / "prefixshare"
-    printed = subprocess.run([str(exe), "sglang-args", "--policy", str(policy_file), "--model", str(model),
-                              "--instance", instance], capture_output=True, text=True, check=True, timeout=120).stdout
-    words = shlex.split(printed.replace("\\\n", " "))
-    n = next(i for i, w in enumerate(words) if not re.match(r"[A-Z_][A-Z0-9_]*=", w))
-    env, argv = dict(w.split("=", 1) for w in words[:n]), words[n:]
-    assert argv[:3] == ["python", "-m", "sglang.launch_server"], argv
-    argv[0] = sys.executable  # the `python` of the environment prefixshare and SGLang are installed in
-    return argv, env
-
-
-@contextlib.contextmanager
-def replicas(work: Path, model: Path, policy_file: Path) -> Iterator[dict[str, str]]:
-    with contextlib.ExitStack() as stack:
-        urls: dict[str, str] = {}
-        for name in ("a", "b"):
-            port = free_port()
-            argv, env = pasted_command(policy_file, model, f"sgl-clients-{name}")
-            argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS]
-            urls[name] = stack.enter_context(http_server(argv, {**env, **CPU_ENV}, work / f"sgl-{name}.log", port))
-        yield urls
-
-
 @pytest.fixture(scope="module")
 def served(work: Path) -> Iterator[dict[str, Any]]:
-    from openai import OpenAI
-
-    from prefixshare.model import create_model, document_text
-
-    model = create_model(work / "model", shape="tiny", seed=0)
-    with LMCacheServer(policy_for(work / "store")) as server:
-        policy_file = write_policy_file(work / "policy.yaml", server.policy)
-        with replicas(work, model, policy_file) as urls:
-            clients = {name: OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=180, max_retries=0)
-                       for name, url in urls.items()}
-            docs = {f"doc{i}": document_text(DOC_TOKENS, seed=60 + i) for i in range(5)}
-            yield {"model": str(model), "urls": urls, "clients": clients, "docs": docs}
+    docs = {f"doc{i}": (DOC_TOKENS, 60 + i) for i in range(5)}
+    with served_by_openai("sglang", work, CPU_FLAGS, CPU_ENV, docs) as served:
+        yield served
 
 
 def tagged(doc_id: str, tenant: str) -> dict[str, Any]:
