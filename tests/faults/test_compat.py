@@ -19,7 +19,7 @@ from faults._matrix import Row, record
 from prefixshare.errors import ServerError
 from prefixshare.fingerprint import EngineSettings, compute_fingerprint, explain, write_manifest
 
-BASE = {"engine": "vllm", "engine_version": "0.32", "kv_layout": "vllm-0.32/cpu/NHD", "kv_dtype": "float32",
+BASE = {"engine": "vllm", "engine_version": "0.32", "kv_layout": "lmcache-0.5/cpu/L,T,H,KV,D", "kv_dtype": "float32",
         "block_size": 32, "chunk_size": 64}
 
 
@@ -29,8 +29,10 @@ def _namespace(fp: Any) -> str:
 
 @pytest.mark.parametrize(("what", "change", "field"), [
     ("chunk size 64 -> 128", {"chunk_size": 128}, "chunk_size"),
-    ("KV layout label NHD -> HND", {"kv_layout": "vllm-0.32/cpu/HND"}, "kv_layout"),
-    ("engine version in the layout label (vllm-0.32 -> vllm-0.33)", {"kv_layout": "vllm-0.33/cpu/NHD"}, "kv_layout"),
+    ("stored-object order in the layout label (L,T,H,KV,D -> KV,L,T,H,D)",
+     {"kv_layout": "lmcache-0.5/cpu/KV,L,T,H,D"}, "kv_layout"),
+    ("LMCache series in the layout label (lmcache-0.5 -> lmcache-0.6)",
+     {"kv_layout": "lmcache-0.6/cpu/L,T,H,KV,D"}, "kv_layout"),
     ("tensor parallel 1 -> 2", {"tp": 2}, "tp"),
     ("LoRA adapter with other weights under the same name", {"lora": (("support", "{lora_b}"),)}, "lora"),
 ])

@@ -47,10 +47,10 @@ def fingerprint(
     kv_layout: str = typer.Option(
         "unknown",
         "--kv-layout",
-        help="KV byte layout label, as the engine adapters record it: vllm-MAJOR.MINOR/DEVICE/LAYOUT (LAYOUT is "
-        'vLLM\'s KV cache layout, NHD or HND, or "default" when vLLM reports none; e.g. vllm-0.32/cpu/default) or '
-        'sglang-MAJOR.MINOR/DEVICE/paged (e.g. sglang-0.5/cuda/paged). "unknown" matches only "unknown": '
-        "pass the label of the engine that wrote a store to compare --against its manifests.",
+        help="KV byte layout label, as the engine adapters record it: lmcache-MAJOR.MINOR/DEVICE/ORDER, ORDER being "
+        "how a stored object's bytes are ordered: L,T,H,KV,D (K and V fused per head: vLLM 0.32), KV,L,T,H,D "
+        "(split K and V: SGLang) or L,T,C (MLA); e.g. lmcache-0.5/cuda/L,T,H,KV,D. \"unknown\" matches only "
+        '"unknown": pass the label of the engine that wrote a store to compare --against its manifests.',
     ),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help='KV cache dtype; "auto" = the model dtype.'),
     block_size: int | None = typer.Option(None, "--block-size", help="Engine KV block size (tokens)."),
