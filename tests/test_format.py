@@ -65,7 +65,7 @@ def test_labels() -> None:
 
 
 def test_a_label_that_does_not_describe_the_registered_kv_stops_the_engine() -> None:
-    kv, hints, engine, _ = _formats(torch, "cpu", torch.float32)["sglang-split"]
+    kv, hints, engine = _formats(torch, "cpu", torch.float32)["sglang-split"]
     wrong = _format.layout_label("cpu", _format.FUSED)
     with pytest.raises(FingerprintError, match=r"NL_X_NB_BS_NH_HS \(stored objects ordered KV,L,T,H,D\).*"
                                                r"derived for L,T,H,KV,D"):

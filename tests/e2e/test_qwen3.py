@@ -14,7 +14,6 @@ bf16 values changes the answer on a tier without integrity checks. The store's b
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -38,7 +37,6 @@ BF16_LOGPROB_TOL = 0.15
 KV_DTYPE = "bfloat16"
 
 
-@functools.cache
 def _bf16_kv() -> tuple[bool, str]:
     """Whether this CPU runs vLLM with bf16 KV: vLLM's own platform answer, asked in a fresh process."""
     code = ("import torch; from vllm.platforms import current_platform as p; "
@@ -74,10 +72,7 @@ def _chat(question: str) -> dict[str, Any]:
             "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 12}
 
 
-def _prompt_len(model: Path, request: dict[str, Any]) -> int:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model))
+def _prompt_len(tok: Any, request: dict[str, Any]) -> int:
     text = tok.apply_chat_template(request["messages"], tokenize=False, add_generation_prompt=True,
                                    **request["chat_template_kwargs"])
     return len(tok(text, add_special_tokens=False).input_ids)
@@ -87,9 +82,12 @@ def _prompt_len(model: Path, request: dict[str, Any]) -> int:
 def questions(qwen: dict[str, Path]) -> dict[str, dict[str, Any]]:
     """Q1 is padded until the engine's own prefix-cache hit (whole blocks, never the last token) ends on a chunk
     boundary: then a store load and a local hit reuse the same tokens and compute the same rest."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(qwen["main"]))
     for extra in range(64):
         q1 = _chat("What does the first chapter say?" + " Please." * extra)
-        n = _prompt_len(qwen["main"], q1)
+        n = _prompt_len(tok, q1)
         if (n - 1) // BLOCK * BLOCK % CHUNK == 0:
             return {"q1": q1, "q2": _chat("Summarise the warranty terms, please."), "q1_len": n}  # type: ignore[dict-item]
     raise AssertionError("no padding aligns Q1's prefix-cache hit with a chunk boundary")

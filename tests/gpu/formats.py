@@ -25,8 +25,8 @@ BLOCKS = [3, 11, 0, 7, 5, 14, 9, 2]  # two 64-token chunks of 16-token blocks, o
 BLOCKS_PER_CHUNK = 4
 
 
-def _formats(torch: Any, device: str, dtype: Any) -> dict[str, tuple[dict[str, Any], dict[str, str], str, Any]]:
-    """name -> (KV tensors, layout hints, engine, (K, V) source values)."""
+def _formats(torch: Any, device: str, dtype: Any) -> dict[str, tuple[dict[str, Any], dict[str, str], str]]:
+    """name -> (KV tensors, layout hints, engine), every format holding the same K and V values."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     k = torch.randn(L, NB, BS, H, D, generator=gen).to(dtype)
     v = torch.randn(L, NB, BS, H, D, generator=gen).to(dtype)
@@ -36,13 +36,13 @@ def _formats(torch: Any, device: str, dtype: Any) -> dict[str, tuple[dict[str, A
 
     return {
         "vllm-fused-nhd": ({f"layer.{i}": put(torch.cat([k[i], v[i]], dim=-1)) for i in range(L)},
-                           {"kv_layout": "NHD"}, "vllm", (k, v)),
+                           {"kv_layout": "NHD"}, "vllm"),
         "vllm-fused-hnd": ({f"layer.{i}": put(torch.cat([k[i], v[i]], dim=-1).permute(0, 2, 1, 3)) for i in range(L)},
-                           {"kv_layout": "HND"}, "vllm", (k, v)),
+                           {"kv_layout": "HND"}, "vllm"),
         "vllm-split-5d": ({f"layer.{i}": put(torch.stack([k[i], v[i]])) for i in range(L)},
-                          {"kv_layout": "NHD"}, "vllm", (k, v)),
+                          {"kv_layout": "NHD"}, "vllm"),
         "sglang-split": ({**{f"kv_{i}": put(k[i]) for i in range(L)}, **{f"kv_{L + i}": put(v[i]) for i in range(L)}},
-                         {"kv_list_layout": "unified"}, "sglang", (k, v)),
+                         {"kv_list_layout": "unified"}, "sglang"),
     }
 
 
@@ -103,7 +103,7 @@ def check(device: str, dtype_name: str = "bfloat16", reps: int = 5) -> dict[str,
     if device == "cuda":
         report["gpu"] = torch.cuda.get_device_name(0)
     objects: dict[str, bytes] = {}
-    for name, (kv, hints, engine, _) in formats.items():
+    for name, (kv, hints, engine) in formats.items():
         order, fmt = registered_order(kv, hints, engine)
         chunks = _gather(torch, kv, hints, engine)
         objects[name] = b"".join(c.view(torch.uint8).numpy().tobytes() for c in chunks)

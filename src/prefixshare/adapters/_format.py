@@ -24,7 +24,7 @@ been proven identical.
 
 The namespace must be known before any KV exists (the scheduler never sees the KV tensors), so each adapter
 derives the order from the engine's configuration (:func:`expected_order`) and checks it against the format
-LMCache detects when the worker registers its KV (:func:`check_registered`): a difference stops the engine
+LMCache detects when the worker registers its KV (:func:`verify_registered`): a difference stops the engine
 with both formats named, rather than storing bytes under a label that does not describe them.
 """
 
@@ -65,20 +65,14 @@ def label_order(label: str) -> str | None:
 
 
 def expected_order(*, mla: bool, fused: bool) -> str:
-    """The order an engine's configuration implies: MLA latent, K|V fused per head, or split K and V."""
-    if mla:
-        return LATENT
-    return FUSED if fused else SPLIT
-
-
-def spec_order(is_mla: bool, is_fused_packed: bool) -> str:
-    """The order of the objects LMCache copies from KV of a format with these facts (its ``KVFormatSpec``).
+    """The order of objects copied from MLA latent KV, K|V fused per head, or split K and V -- whether those
+    facts come from an engine's configuration or from the ``KVFormatSpec`` LMCache detects.
 
     Split formats all give ``KV,L,T,H,D``: a ``[2, L, T, H*D]`` object for two planes per layer, a
     ``[2L, T, H*D]`` one for SGLang's K buffers followed by its V buffers -- the same bytes."""
-    if is_mla:
+    if mla:
         return LATENT
-    return FUSED if is_fused_packed else SPLIT
+    return FUSED if fused else SPLIT
 
 
 def registered_order(kv_caches: Mapping[str, Any], layout_hints: Mapping[str, Any] | None, engine: str) -> tuple[str, str]:
@@ -90,7 +84,7 @@ def registered_order(kv_caches: Mapping[str, Any], layout_hints: Mapping[str, An
     engine_type = EngineType.SGLANG if engine == "sglang" else EngineType.VLLM
     fmt = compute_kv_layout(dict(kv_caches), dict(layout_hints or {}), engine_type)[4]
     spec = get_spec_class(fmt)
-    return spec_order(bool(spec.is_mla), bool(spec.is_fused_packed)), str(getattr(fmt, "name", fmt))
+    return expected_order(mla=bool(spec.is_mla), fused=bool(spec.is_fused_packed)), str(getattr(fmt, "name", fmt))
 
 
 def check_registered(label: str, kv_caches: Mapping[str, Any], layout_hints: Mapping[str, Any] | None,
@@ -106,3 +100,13 @@ def check_registered(label: str, kv_caches: Mapping[str, Any], layout_hints: Map
             f"namespace was derived for {declared} ({label}); storing under that label would mix formats. "
             "This is a prefixshare bug: please report it with the engine version and attention backend")
     return found
+
+
+def verify_registered(runtime: Any, kv_caches: Mapping[str, Any], layout_hints: Mapping[str, Any] | None,
+                      engine: str) -> str:
+    """:func:`check_registered` for a connector's runtime (its fingerprint's label), logged as
+    ``engine.kv_format``; returns the order found."""
+    label = runtime.fingerprint.engine.kv_layout
+    order = check_registered(label, kv_caches, layout_hints, engine)
+    runtime.log.info("engine.kv_format", layout=label, order=order, tensors=len(kv_caches))
+    return order

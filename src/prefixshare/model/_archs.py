@@ -12,6 +12,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from prefixshare.model._shapes import (
+    BOS,
+    EOS,
+    PAD,
+    QWEN3_EOS,
+    QWEN3_PAD,
+    QWEN3_SPECIAL_TOKENS,
+    ROLE_TOKENS,
+    SPECIAL_TOKENS,
+    UNK,
+)
+
 #: Llama chat template: ``<s>``, then ``<|role|>\ncontent</s>\n`` per message, then ``<|assistant|>\n`` as
 #: the generation prompt.
 LLAMA_CHAT_TEMPLATE = (
@@ -50,7 +62,6 @@ class Arch:
     markers), kept whole by the tokenizer.
     """
 
-    name: str
     config_class: str
     model_class: str
     special_tokens: tuple[str, ...]
@@ -62,23 +73,17 @@ class Arch:
     chat_template: str
     weights_dtype: str
 
-    def token_id(self, token: str | None) -> int | None:
-        return None if token is None else self.special_tokens.index(token)
-
-
-_LLAMA_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>")
-_QWEN3_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
 ARCHS: Mapping[str, Arch] = MappingProxyType({
     "llama": Arch(
-        name="llama", config_class="LlamaConfig", model_class="LlamaForCausalLM", special_tokens=_LLAMA_TOKENS,
-        bos="<s>", eos="</s>", pad="<pad>", unk="<unk>", extra=_LLAMA_TOKENS[4:],
+        config_class="LlamaConfig", model_class="LlamaForCausalLM", special_tokens=SPECIAL_TOKENS,
+        bos=BOS, eos=EOS, pad=PAD, unk=UNK, extra=ROLE_TOKENS,
         chat_template=LLAMA_CHAT_TEMPLATE, weights_dtype="float32",
     ),
     "qwen3": Arch(
-        # Qwen3's instruct models end a turn with <|im_end|> and pad with <|endoftext|>; weights are bf16.
-        name="qwen3", config_class="Qwen3Config", model_class="Qwen3ForCausalLM", special_tokens=_QWEN3_TOKENS,
-        bos=None, eos="<|im_end|>", pad="<|endoftext|>", unk=None, extra=_QWEN3_TOKENS[1:2] + _QWEN3_TOKENS[3:],
+        config_class="Qwen3Config", model_class="Qwen3ForCausalLM", special_tokens=QWEN3_SPECIAL_TOKENS,
+        bos=None, eos=QWEN3_EOS, pad=QWEN3_PAD, unk=None,
+        extra=tuple(t for t in QWEN3_SPECIAL_TOKENS if t not in (QWEN3_EOS, QWEN3_PAD)),
         chat_template=QWEN3_CHAT_TEMPLATE, weights_dtype="bfloat16",
     ),
 })

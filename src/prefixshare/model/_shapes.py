@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from prefixshare.plan import DTYPE_BYTES
+
 #: Tokenizer size; ``config.vocab_size`` is set from the trained tokenizer and checked to equal this.
 VOCAB_SIZE = 4096
 
@@ -22,6 +24,11 @@ VOCAB_SIZE = 4096
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (UNK, BOS, EOS, PAD, *ROLE_TOKENS)
+
+#: Qwen3's special tokens, in id order: no BOS and no UNK; a turn ends with ``<|im_end|>`` (the EOS of Qwen3's
+#: instruct models), padding is ``<|endoftext|>``.
+QWEN3_PAD, QWEN3_EOS = "<|endoftext|>", "<|im_end|>"
+QWEN3_SPECIAL_TOKENS = (QWEN3_PAD, "<|im_start|>", QWEN3_EOS, "<think>", "</think>")
 
 _COMMON: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
@@ -72,8 +79,6 @@ SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 )
 
 
-_QWEN3_TOKENS = {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0}  # see _archs: no BOS, <|im_end|>
-
 _QWEN3_COMMON: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
     "head_dim": 128,
@@ -87,7 +92,9 @@ _QWEN3_COMMON: dict[str, Any] = {
     "attention_bias": False,
     "use_sliding_window": False,
     "dtype": "bfloat16",
-    **_QWEN3_TOKENS,
+    "bos_token_id": None,
+    "eos_token_id": QWEN3_SPECIAL_TOKENS.index(QWEN3_EOS),
+    "pad_token_id": QWEN3_SPECIAL_TOKENS.index(QWEN3_PAD),
 }
 
 _QWEN3_SIZES: dict[str, dict[str, int]] = {
@@ -105,7 +112,6 @@ QWEN3_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 #: Architecture -> its shapes.
 ARCH_SHAPES: Mapping[str, Mapping[str, Mapping[str, Any]]] = MappingProxyType({"llama": SHAPES, "qwen3": QWEN3_SHAPES})
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def shape_fields(shape: str, arch: str = "llama") -> Mapping[str, Any]:
@@ -134,5 +140,5 @@ def parameter_count(shape: str, arch: str = "llama") -> int:
 def kv_bytes_per_token(shape: str, dtype_bytes: int | None = None, arch: str = "llama") -> int:
     """Bytes of K and V one token occupies across all layers (in the shape's own dtype by default)."""
     f = shape_fields(shape, arch)
-    width = _DTYPE_BYTES[f["dtype"]] if dtype_bytes is None else dtype_bytes
+    width = DTYPE_BYTES[f["dtype"]] if dtype_bytes is None else dtype_bytes
     return int(f["num_hidden_layers"] * f["num_key_value_heads"] * f["head_dim"] * 2 * width)

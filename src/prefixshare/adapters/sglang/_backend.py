@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.storage.lmcache.lmcache_unified_radix_cache import LMC
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.runtime_context import get_memory
 
-from prefixshare.adapters._format import check_registered
+from prefixshare.adapters._format import verify_registered
 from prefixshare.adapters.sglang import _compat
 from prefixshare.adapters.sglang._requests import parse_rid
 from prefixshare.adapters.sglang._settings import ENV_CONFIG, engine_settings, tokenizer_dir
@@ -49,9 +49,7 @@ class PrefixShareRadixCache(LMCacheUnifiedRadixCache):
         _compat.on_store_completed(self.lmcache_connector, self._store_completed)
         tensors, hints = _compat.registered_kv(self.lmcache_connector)
         if tensors:  # the namespace's layout label must describe the KV LMCache copies from
-            label = runtime.fingerprint.engine.kv_layout
-            order = check_registered(label, tensors, hints, "sglang")
-            runtime.log.info("engine.kv_format", layout=label, order=order, tensors=len(tensors))
+            verify_registered(runtime, tensors, hints, "sglang")
 
     # --- lookup (prefetch from the store) ---------------------------------------------------------------
     def prefetch_from_storage(self, request: Any, last_host_node_id: Any, new_input_tokens: list[int],

@@ -3,12 +3,11 @@ and what the fingerprint reads from ``ServerArgs`` (no engine start)."""
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from prefixshare.adapters._format import expected_order, layout_label
 from prefixshare.fingerprint import EngineSettings
+from prefixshare.plan import PlanError, shape_from_config
 
 #: the radix-cache backend SGLang selects with ``--radix-cache-backend``
 BACKEND = "prefixshare"
@@ -17,14 +16,11 @@ ENV_CONFIG = "PREFIXSHARE_SGLANG"
 
 
 def _mla(model_path: str) -> bool:
-    """Whether the model uses multi-head latent attention (its config names a KV LoRA rank)."""
+    """Whether the model uses multi-head latent attention, as ``plan`` reads its config (False when unreadable)."""
     try:
-        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
-            config = json.load(fh)
-    except (OSError, ValueError):
+        return shape_from_config(model_path).is_mla
+    except PlanError:
         return False
-    config = config.get("text_config", config)
-    return bool(config.get("kv_lora_rank"))
 
 
 def kv_layout(server_args: Any) -> str:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
 
-from prefixshare.adapters._format import check_registered
+from prefixshare.adapters._format import verify_registered
 from prefixshare.adapters.vllm import _compat
 from prefixshare.adapters.vllm._settings import engine_settings, model_dirs
 from prefixshare.runtime import ConnectorRuntime, PortCheck, RequestInfo, port_open
@@ -441,11 +441,8 @@ class WorkerSide:
 
     def check_format(self, kv_caches: dict[str, Any]) -> None:
         """The namespace's layout label must describe the KV LMCache copies from; stop the engine if not."""
-        runtime = self.connector.prefixshare
-        label = runtime.fingerprint.engine.kv_layout
         tensors, hints = _compat.registered_kv(self.connector, kv_caches)
-        order = check_registered(label, tensors, hints, "vllm")
-        runtime.log.info("engine.kv_format", layout=label, order=order, layers=len(tensors))
+        verify_registered(self.connector.prefixshare, tensors, hints, "vllm")
 
     def gate(self, direction: str) -> None:
         """Before submitting stores (or retrieves) to the server, make sure it is still there.
