@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
-from prefixshare.runtime._cost import DEADLINE_FACTOR, PROBE_AFTER_S, PROBE_EVERY, CostModel, Fit, store_key
+from prefixshare.runtime._cost import (
+    DEADLINE_FACTOR,
+    FIRST_LOAD_GBPS,
+    FIRST_LOAD_LATENCY_S,
+    PROBE_AFTER_S,
+    PROBE_EVERY,
+    CostModel,
+    Fit,
+    store_key,
+)
 from prefixshare.policies import Policy
 
 KVB = 24_576  # bytes per token of the "bench" shape in fp32
@@ -162,6 +171,49 @@ def test_deadline_is_the_predicted_recompute_and_records_a_lower_bound() -> None
     d = m.decide_deadline("r1", 4096, 0, waited_s=9.0)
     assert d.decision == "recompute" and d.phase == "deadline" and m.lookup.n == before + 1
     assert m.decide_before_lookup("r2", 4096, 0, 4096).predicted_load_s > 1.0
+
+
+def test_a_first_load_is_bounded_by_the_plan_not_only_by_the_timeout() -> None:
+    m = _model()
+    # nothing measured: KV bytes of the largest possible hit at the conservative rate, plus a default latency
+    bound = FIRST_LOAD_LATENCY_S + 4096 * KVB / (FIRST_LOAD_GBPS * 1e9)
+    assert m.lookup_deadline_s(4100, 0) == pytest.approx(bound)
+    assert m.lookup_deadline_s(4100, 0, mode="always") is None  # a forced load waits for load.timeout_s only
+    # a miss measured the lookup latency (no bytes): it replaces the default
+    m.observe_lookup(0, 0.02)
+    assert m.lookup_deadline_s(4096, 0) == pytest.approx(0.02 + 4096 * KVB / (FIRST_LOAD_GBPS * 1e9), rel=1e-3)
+    # with the prefill rate known, the smaller bound applies; once a hit is measured, only the recompute's
+    for n in (256, 512, 1024, 2048):
+        m.observe_prefill([(0, n)], 1e-4 * n)
+    assert m.lookup_deadline_s(4096, 0) == pytest.approx(DEADLINE_FACTOR * m.prefill_s(0, 4096))
+    m.observe_lookup(4096, 0.05)
+    assert m.first_load_deadline_s(4096) is None
+    assert m.lookup_deadline_s(4096, 0) == pytest.approx(DEADLINE_FACTOR * m.prefill_s(0, 4096))
+
+
+def test_a_timed_out_lookup_is_learnt_and_the_next_long_prompt_recomputes() -> None:
+    m = _model()
+    for n in (256, 512, 1024, 2048, 4096):
+        m.observe_prefill([(0, n)], 2e-4 * n)  # ~0.8 s at 4k
+    assert m.decide_before_lookup("r1", 4096, 0, 4096).decision == "load"  # uncalibrated store: load to learn
+    m.observe_timeout(4096, 2.0)  # the policy's load.timeout_s ran out
+    assert m.snapshot()["decisions"]["timeout:recompute"] == 1 and m.lookup.n == 1
+    d = m.decide_before_lookup("r2", 4096, 0, 4096)
+    assert d.decision == "recompute" and d.predicted_load_s == pytest.approx(2.0, rel=1e-3)
+    assert d.predicted_recompute_s < 1.0
+
+
+def test_a_request_may_force_its_own_mode() -> None:
+    m = _model(mode="auto")
+    _calibrate(m, lookup_gbps=0.001)  # a slow store: auto recomputes
+    assert m.decide_before_lookup("a", 4096, 0, 4096).decision == "recompute"
+    forced = m.decide_before_lookup("b", 4096, 0, 4096, mode="always")
+    assert forced.decision == "load" and forced.mode == "always" and forced.reason == "mode always"
+    assert m.decide_after_lookup("b", 4096, 0, 4096, 5.0, mode="always").decision == "load"
+    never = _model(mode="always")
+    _calibrate(never)
+    d = never.decide_before_lookup("c", 4096, 0, 4096, mode="never")
+    assert d.decision == "recompute" and d.reason == "mode never" and d.mode == "never"
 
 
 def test_estimates_persist_per_namespace_and_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

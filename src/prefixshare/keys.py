@@ -39,6 +39,9 @@ REQ_DOCUMENT = "prefixshare.document_id"
 REQ_TENANT = "prefixshare.tenant"
 REQ_PREFIX_TOKENS = "prefixshare.prefix_tokens"
 REQ_STORE = "prefixshare.store"
+#: a request's own load mode: "always" (load whatever the store holds), "never" (recompute), "auto" (the cost model)
+REQ_LOAD = "prefixshare.load"
+LOAD_MODES = ("auto", "always", "never")
 
 _SAFE = re.compile(r"^[A-Za-z0-9._-]{1,48}$")
 

@@ -23,6 +23,15 @@ possible hit could beat recomputing it; after the lookup (the hit size known, th
 with its prediction, and the outcome (observed time to the end of the prefill) is recorded against it, in
 stats (``cost`` in the connector's snapshot) and as structlog events ``load.decision`` / ``load.outcome``.
 
+A request may force its own choice (``kv_transfer_params["prefixshare.load"]``: ``always`` or ``never``;
+``auto`` follows the model); the decision is still recorded and its observations still calibrate the model.
+
+A lookup is bounded twice in mode auto (:meth:`CostModel.lookup_deadline_s`): by ``DEADLINE_FACTOR`` times the
+predicted recompute, and, while the store has never been measured with bytes, by the plan's arithmetic for the
+largest possible hit (its KV bytes at ``FIRST_LOAD_GBPS`` plus the lookup latency), so a fresh replica's first
+load on a slow store is not bounded only by ``load.timeout_s``. A lookup abandoned on either bound, or one that
+outlives ``load.timeout_s``, is an observation (the store is at least that slow for that size).
+
 Nothing here imports an engine: the vLLM connector and the SGLang backend feed it observations.
 """
 
@@ -52,6 +61,11 @@ PROBE_EVERY = 16
 PROBE_AFTER_S = 300.0
 #: a pending lookup is abandoned (recompute) after this many times the predicted recompute (mode auto)
 DEADLINE_FACTOR = 2.0
+#: a store never measured with bytes (no hit observed yet) is assumed this slow for a first load's deadline:
+#: about a 1 GbE link's payload rate, slower than any local medium (mode auto; see lookup_deadline_s)
+FIRST_LOAD_GBPS = 0.1
+#: ... plus this per-lookup latency when no lookup has been measured either (a miss measures it)
+FIRST_LOAD_LATENCY_S = 0.1
 #: prefill steps with fewer new tokens than this are not prefill observations (decode steps, overheads)
 MIN_PREFILL_TOKENS = 32
 #: decisions (with their outcomes) kept in stats, the newest; every one is logged (load.decision/outcome)
@@ -384,9 +398,11 @@ class CostModel:
 
     # --- decisions --------------------------------------------------------------------------------------
     def decide_before_lookup(self, request_id: str, prompt_tokens: int, local_tokens: int,
-                             lookup_tokens: int) -> LoadDecision:
+                             lookup_tokens: int, mode: str | None = None) -> LoadDecision:
         """Before the lookup: could loading the largest possible hit (every chunk of ``lookup_tokens``) beat
-        recomputing it? ``local_tokens``: what the engine's own prefix cache already holds."""
+        recomputing it? ``local_tokens``: what the engine's own prefix cache already holds. ``mode``: the
+        request's own load mode (``prefixshare.load``), else the policy's."""
+        mode = mode or self.mode
         load_tokens = max(0, lookup_tokens - local_tokens)
         recompute = self.prefill_s(local_tokens, lookup_tokens) if load_tokens else 0.0
         look, xfer = self.lookup_s(lookup_tokens), self.transfer_s(load_tokens)
@@ -396,8 +412,10 @@ class CostModel:
         rest = self.prefill_s(lookup_tokens, prompt_tokens)
         if load_tokens == 0:
             choice, reason = "local", "the engine's prefix cache holds every chunk the store could return: no lookup"
-        elif self.mode == "always":
+        elif mode == "always":
             choice, reason = "load", "mode always"
+        elif mode == "never":
+            choice, reason = "recompute", "mode never"
         elif not known:
             choice, reason = "load", "uncalibrated: load and measure"
         elif load < recompute:  # type: ignore[operator]
@@ -407,7 +425,7 @@ class CostModel:
                                       "measurement, the store is looked up once")
         else:
             choice, reason = "recompute", "recompute predicted faster"
-        d = LoadDecision(request_id, "before_lookup", choice, reason, self.mode, prompt_tokens, local_tokens,
+        d = LoadDecision(request_id, "before_lookup", choice, reason, mode, prompt_tokens, local_tokens,
                          load_tokens, load_tokens * self.kv_bytes_per_token, load, recompute)
         if rest is not None:
             chosen = load if choice == "load" else recompute
@@ -415,13 +433,14 @@ class CostModel:
         return self._record(d)
 
     def decide_after_lookup(self, request_id: str, prompt_tokens: int, local_tokens: int, hit_tokens: int,
-                            lookup_s: float | None) -> LoadDecision:
+                            lookup_s: float | None, mode: str | None = None) -> LoadDecision:
         """After the lookup answered ``hit_tokens`` (its L2 read is paid): load them, or recompute?"""
+        mode = mode or self.mode
         load_tokens = max(0, hit_tokens - local_tokens)
         xfer = self.transfer_s(load_tokens)
         recompute = self.prefill_s(local_tokens, local_tokens + load_tokens)
         rest = self.prefill_s(local_tokens + load_tokens, prompt_tokens)
-        if self.mode == "always":
+        if mode == "always":
             choice, reason = "load", "mode always"
         elif xfer is None or recompute is None:
             choice, reason = "load", "uncalibrated: load and measure"
@@ -429,7 +448,7 @@ class CostModel:
             choice, reason = "load", "load predicted faster"
         else:
             choice, reason = "recompute", "recompute predicted faster than the transfer"
-        d = LoadDecision(request_id, "after_lookup", choice, reason, self.mode, prompt_tokens, local_tokens,
+        d = LoadDecision(request_id, "after_lookup", choice, reason, mode, prompt_tokens, local_tokens,
                          load_tokens, load_tokens * self.kv_bytes_per_token, xfer, recompute)
         if rest is not None:
             chosen = xfer if choice == "load" else recompute
@@ -440,19 +459,42 @@ class CostModel:
             d.decided_at = previous.decided_at
         return self._record(d)
 
-    def lookup_deadline_s(self, prompt_tokens: int, local_tokens: int) -> float | None:
-        """How long a pending lookup may run before it is abandoned for a recompute: ``DEADLINE_FACTOR`` times
-        the predicted recompute (a damage limit for a store the model has not measured yet; the time waited
-        is recorded as a lower bound of the store's lookup time, so the next decision avoids it)."""
-        if self.mode != "auto":
+    def lookup_deadline_s(self, prompt_tokens: int, local_tokens: int, mode: str | None = None) -> float | None:
+        """How long a pending lookup may run before it is abandoned for a recompute (mode auto; None: only the
+        policy's ``load.timeout_s`` bounds it). The time waited is recorded as a lower bound of the store's lookup
+        time (:meth:`decide_deadline`), so the next decision avoids it.
+
+        * ``DEADLINE_FACTOR`` times the predicted recompute, once the prefill rate is known;
+        * while the store has never been measured with bytes (no hit observed: a fresh replica's first load),
+          also the plan's arithmetic for the largest possible hit: its KV bytes at a conservative
+          ``FIRST_LOAD_GBPS`` plus the measured lookup latency (``FIRST_LOAD_LATENCY_S`` before any lookup).
+
+        The smaller applies."""
+        if (mode or self.mode) != "auto":
             return None
+        candidates = []
         recompute = self.prefill_s(local_tokens, prompt_tokens)
-        return None if recompute is None else DEADLINE_FACTOR * recompute
+        if recompute is not None:
+            candidates.append(DEADLINE_FACTOR * recompute)
+        first = self.first_load_deadline_s(prompt_tokens // self.chunk_size * self.chunk_size)
+        if first is not None:
+            candidates.append(first)
+        return min(candidates) if candidates else None
+
+    def first_load_deadline_s(self, lookup_tokens: int) -> float | None:
+        """The plan's bound on a lookup of ``lookup_tokens`` while the store's bandwidth is unknown (None once a
+        hit has been measured: then the estimates decide)."""
+        if self.lookup.w is not None and not self._no_bytes(self.lookup):
+            return None
+        latency = self.lookup.w[0] if self.lookup.w is not None else FIRST_LOAD_LATENCY_S
+        return latency + lookup_tokens * self.kv_bytes_per_token / (FIRST_LOAD_GBPS * 1e9)
 
     def decide_deadline(self, request_id: str, prompt_tokens: int, local_tokens: int, waited_s: float) -> LoadDecision:
         recompute = self.prefill_s(local_tokens, prompt_tokens)
-        d = LoadDecision(request_id, "deadline", "recompute",
-                         f"the lookup ran {waited_s:.3f} s, over {DEADLINE_FACTOR:g}x the predicted recompute", self.mode,
+        why = (f"over {DEADLINE_FACTOR:g}x the predicted recompute" if recompute is not None and
+               waited_s > DEADLINE_FACTOR * recompute else
+               f"over the first-load bound (KV bytes at {FIRST_LOAD_GBPS:g} GB/s + lookup latency)")
+        d = LoadDecision(request_id, "deadline", "recompute", f"the lookup ran {waited_s:.3f} s, {why}", self.mode,
                          prompt_tokens, local_tokens, 0, 0, None, recompute,
                          predicted_s=None if recompute is None else waited_s + recompute)
         d.observed_lookup_s = waited_s
@@ -463,6 +505,15 @@ class CostModel:
         lookup_tokens = previous.load_tokens + previous.local_tokens if previous is not None else prompt_tokens
         self.observe_lookup(lookup_tokens, waited_s)
         return self._record(d)
+
+    def observe_timeout(self, lookup_tokens: int, waited_s: float) -> None:
+        """A lookup of ``lookup_tokens`` outlived the policy's ``load.timeout_s``: the store is at least this slow
+        for that size. Learnt like any lookup (a lower bound), so that once the store's health check passes again
+        a calibrated model recomputes the long prompts instead of waiting out the timeout again."""
+        self.observe_lookup(lookup_tokens, waited_s)
+        with self._lock:
+            self.counts["timeout:recompute"] += 1
+        self.log.info("cost.lookup_timeout_observed", lookup_tokens=lookup_tokens, waited_s=round(waited_s, 4))
 
     def _record(self, d: LoadDecision) -> LoadDecision:
         with self._lock:

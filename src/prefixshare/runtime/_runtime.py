@@ -35,7 +35,9 @@ from prefixshare.keys import (
     KEY_INSTANCE,
     KEY_POLICY,
     KEY_POLICY_FILE,
+    LOAD_MODES,
     REQ_DOCUMENT,
+    REQ_LOAD,
     REQ_PREFIX_TOKENS,
     REQ_STORE,
     REQ_TENANT,
@@ -96,6 +98,8 @@ class RequestInfo:
     fallback: str | None = None
     stored_tokens: int = 0
     admission_request: AdmissionRequest | None = None
+    #: the request's own load mode (``prefixshare.load``); None: the policy's
+    load_mode: str | None = None
 
 
 class ConnectorRuntime(StatsPublisher):
@@ -220,6 +224,12 @@ class ConnectorRuntime(StatsPublisher):
         prefix_tokens = params.get(REQ_PREFIX_TOKENS)
         n = len(prompt_token_ids)
         info = RequestInfo(request_id, n, document_id=doc, tenant=tenant)
+        mode = params.get(REQ_LOAD)
+        if mode in LOAD_MODES:
+            info.load_mode = mode
+        elif mode is not None:
+            self.log.warning("request.bad_param", request_id=request_id, key=REQ_LOAD, value=str(mode)[:40],
+                             fix=f"one of {', '.join(LOAD_MODES)}; the policy's load.mode applies")
         if params.get(REQ_STORE) is False:
             decision = _STORE_DISABLED
         elif self.rule is None:
@@ -295,6 +305,10 @@ class ConnectorRuntime(StatsPublisher):
             info.load_s = time.monotonic() - info.load_started
             self.stats.load_ms.append(info.load_s * 1e3)
         _metrics.load(self.engine, info.load_s, info.loaded_tokens, info.loaded_tokens * self.kv_bytes_per_token)
+
+    def load_mode(self, info: RequestInfo | None) -> str:
+        """The load mode that governs a request: its own (``prefixshare.load``), else the policy's."""
+        return (info.load_mode if info is not None else None) or self.policy.load.mode
 
     def fallback(self, info: RequestInfo | None, reason: str) -> None:
         if reason in ("lookup_timeout", "store_down"):

@@ -22,6 +22,7 @@ from prefixshare.adapters.sglang import _compat
 from prefixshare.adapters.sglang._requests import parse_rid
 from prefixshare.adapters.sglang._settings import ENV_CONFIG, engine_settings, tokenizer_dir
 from prefixshare.adapters.sglang._state import BackendState
+from prefixshare.keys import REQ_LOAD
 from prefixshare.runtime import ConnectorRuntime, RequestInfo
 
 
@@ -55,10 +56,12 @@ class PrefixShareRadixCache(LMCacheUnifiedRadixCache):
     def prefetch_from_storage(self, request: Any, last_host_node_id: Any, new_input_tokens: list[int],
                               *args: Any, **kwargs: Any) -> None:
         runtime, rid = self.prefixshare, request.rid
-        if runtime.policy.load.mode == "never":
+        params = parse_rid(rid)
+        mode = params.get(REQ_LOAD) or runtime.policy.load.mode
+        if mode == "never":
             return None
         matched = list(kwargs.get("matched_prefix_tokens") or [])
-        info = runtime.begin(rid, matched + list(new_input_tokens), parse_rid(rid))
+        info = runtime.begin(rid, matched + list(new_input_tokens), params)
         if not self.state.store_reachable():
             runtime.fallback(info, "store_down")
             return None
@@ -66,7 +69,7 @@ class PrefixShareRadixCache(LMCacheUnifiedRadixCache):
         if self.state.start_timing(rid, n, len(matched)):
             chunk = runtime.policy.chunk_size
             decision = runtime.cost.decide_before_lookup(  # type: ignore[union-attr]
-                rid, n, len(matched), n // chunk * chunk).decision
+                rid, n, len(matched), n // chunk * chunk, mode).decision
             if decision == "recompute":
                 runtime.cost_fallback(info)
                 return None
@@ -80,11 +83,27 @@ class PrefixShareRadixCache(LMCacheUnifiedRadixCache):
         flow = _compat.external_flow(self, rid)
         info = runtime.requests.get(rid)
         if flow is not None and flow.total_hit is None and info is not None and info.lookup_started is not None:
-            if time.monotonic() - info.lookup_started > runtime.policy.load.timeout_s:
+            waited = time.monotonic() - info.lookup_started
+            timing = self.state.timing.get(rid)
+            deadline = None
+            if runtime.cost is not None and timing is not None:
+                deadline = runtime.cost.lookup_deadline_s(timing["prompt"], timing["done"], runtime.load_mode(info))
+            if waited > runtime.policy.load.timeout_s:
                 # The store is too slow or gone: stop waiting; SGLang computes the prompt itself.
                 _compat.drop_prefetch(self, rid, handle)
                 info.lookup_started = None
+                if runtime.cost is not None and timing is not None:
+                    # the store is at least this slow for this size (learnt: see CostModel.observe_timeout)
+                    chunk = runtime.policy.chunk_size
+                    runtime.cost.observe_timeout(timing["prompt"] // chunk * chunk, waited)
                 runtime.fallback(info, "lookup_timeout")
+                return True
+            if deadline is not None and waited > deadline:
+                # the cost model's bound (mode auto): recomputing is predicted faster than waiting on
+                _compat.drop_prefetch(self, rid, handle)
+                info.lookup_started = None
+                runtime.cost.decide_deadline(rid, timing["prompt"], timing["done"], waited)  # type: ignore[union-attr]
+                runtime.cost_fallback(info)
                 return True
         done = super().check_prefetch_progress(handle)
         if done and info is not None and info.lookup_started is not None:

@@ -12,14 +12,17 @@ import uuid
 from typing import Any
 from urllib.parse import quote, unquote
 
-from prefixshare.keys import REQ_DOCUMENT, REQ_PREFIX_TOKENS, REQ_STORE, REQ_TENANT, store_salt
+from prefixshare.keys import LOAD_MODES, REQ_DOCUMENT, REQ_LOAD, REQ_PREFIX_TOKENS, REQ_STORE, REQ_TENANT, store_salt
 
 _PREFIX = "ps|"
 
 
 def request_kwargs(*, document_id: str | None = None, tenant: str | None = None, prefix_tokens: int | None = None,
-                   store: bool | None = None, cache_salt: str | None = None) -> dict[str, Any]:
+                   store: bool | None = None, cache_salt: str | None = None,
+                   load: str | None = None) -> dict[str, Any]:
     """Keyword arguments for ``sglang.Engine.generate`` (or fields of a ``/generate`` request body).
+
+    ``load``: this request's load mode (``always``, ``never`` or ``auto``), else the policy's ``load.mode``.
 
     The request's ``cache_salt`` is the tenant's salt joined with ``cache_salt`` when both are given (the same
     store key a vLLM request with that tenant and salt gets)."""
@@ -32,6 +35,10 @@ def request_kwargs(*, document_id: str | None = None, tenant: str | None = None,
         fields.append(f"prefix={int(prefix_tokens)}")
     if store is False:
         fields.append("store=0")
+    if load is not None:
+        if load not in LOAD_MODES:
+            raise ValueError(f"load={load!r}: use one of {', '.join(LOAD_MODES)}")
+        fields.append(f"load={load}")
     out: dict[str, Any] = {"rid": _PREFIX + "|".join([*fields, uuid.uuid4().hex])}
     salt = store_salt(tenant, cache_salt)
     if salt:
@@ -56,4 +63,6 @@ def parse_rid(rid: str) -> dict[str, Any]:
             params[REQ_PREFIX_TOKENS] = int(value)
         elif key == "store" and value == "0":
             params[REQ_STORE] = False
+        elif key == "load" and value in LOAD_MODES:
+            params[REQ_LOAD] = value
     return params

@@ -173,7 +173,6 @@ class SchedulerSide:
         #: the MP server's request port, seen open a moment ago (a burst of requests pays one connect)
         self.port = PortCheck(address)
         self.lookup_timeout_s = self.runtime.policy.load.timeout_s
-        self.load_mode = self.runtime.policy.load.mode
         #: cost-aware loading: scheduler steps in flight (start, spans, had a load), requests decided on,
         #: chunks a bypassed lookup found in the store (not re-stored, not counted as stored by us),
         #: lookups abandoned while running (their locks are released once the server has settled them)
@@ -219,8 +218,10 @@ class SchedulerSide:
         # what the engine's own prefix cache holds, reported in cached_token_stats even when no lookup runs
         # (LMCache sets it after a lookup; the bypasses below return before one)
         tracker.num_vllm_hit_tokens = num_computed_tokens
-        if self.load_mode == "never":
+        mode = self.runtime.load_mode(info)
+        if mode == "never":
             tracker.state = _BYPASS
+            self.cost_before_lookup(request, tracker, num_computed_tokens, mode)  # recorded, not asked
             return None
         if not self.runtime.store_available() or not self.server_ready():
             # The store is down (known, or found now): neither look up nor store (each would wait out the
@@ -229,7 +230,7 @@ class SchedulerSide:
             tracker.max_offload_tokens = 0
             self.runtime.fallback(info, "store_down")
             return None
-        decision = self.cost_before_lookup(request, tracker, num_computed_tokens)
+        decision = self.cost_before_lookup(request, tracker, num_computed_tokens, mode)
         if decision == "recompute":
             # Recomputing is predicted faster than even the largest possible hit: no lookup, nothing locked.
             tracker.state = _BYPASS
@@ -302,6 +303,10 @@ class SchedulerSide:
         if waited > self.lookup_timeout_s:
             # a server too slow to answer a lookup would stall the engine step that stores: don't store
             tracker.max_offload_tokens = 0
+            if self.runtime.cost is not None:
+                # the store is at least this slow for this size: learnt, so a calibrated model recomputes such
+                # prompts once the store's health check passes again instead of waiting out the timeout again
+                self.runtime.cost.observe_timeout(tracker.num_prompt_tokens // self.chunk * self.chunk, waited)
             self.runtime.fallback(info, "lookup_timeout")
         else:
             assert self.runtime.cost is not None
@@ -311,7 +316,7 @@ class SchedulerSide:
         return True
 
     # --- cost-aware loading (see prefixshare.runtime._cost) ---------------------------------------------------
-    def cost_before_lookup(self, request: Request, tracker: Any, num_computed_tokens: int) -> str:
+    def cost_before_lookup(self, request: Request, tracker: Any, num_computed_tokens: int, mode: str) -> str:
         """"load" (look up), "recompute" (predicted faster than the largest possible hit) or "local" (the
         engine's prefix cache already holds every chunk a lookup could return)."""
         cost = self.runtime.cost
@@ -320,13 +325,14 @@ class SchedulerSide:
         self.decided.add(request.request_id)
         aligned = tracker.num_prompt_tokens // self.chunk * self.chunk
         return cost.decide_before_lookup(request.request_id, tracker.num_prompt_tokens, num_computed_tokens,
-                                         aligned).decision
+                                         aligned, mode).decision
 
     def cost_deadline(self, request: Request, num_computed_tokens: int) -> float | None:
         cost = self.runtime.cost
         if cost is None:
             return None
-        return cost.lookup_deadline_s(request.num_prompt_tokens, num_computed_tokens)
+        mode = self.runtime.load_mode(self.runtime.requests.get(request.request_id))
+        return cost.lookup_deadline_s(request.num_prompt_tokens, num_computed_tokens, mode)
 
     def cost_after_lookup(self, request: Request, tracker: Any, num_computed_tokens: int, seconds: float,
                           info: RequestInfo | None) -> bool:
@@ -340,7 +346,7 @@ class SchedulerSide:
         if hit <= num_computed_tokens:
             return True
         decision = cost.decide_after_lookup(request.request_id, tracker.num_prompt_tokens, num_computed_tokens,
-                                            hit, seconds)
+                                            hit, seconds, self.runtime.load_mode(info))
         if decision.decision == "load":
             return True
         # Release what the lookup locked on the server, exactly as LMCache does for chunks it will not
