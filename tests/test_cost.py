@@ -12,6 +12,7 @@ from prefixshare.runtime._cost import (
     DEADLINE_FACTOR,
     FIRST_LOAD_GBPS,
     FIRST_LOAD_LATENCY_S,
+    FIRST_LOAD_MIN_S,
     PROBE_AFTER_S,
     PROBE_EVERY,
     CostModel,
@@ -182,6 +183,7 @@ def test_a_first_load_is_bounded_by_the_plan_not_only_by_the_timeout() -> None:
     # a miss measured the lookup latency (no bytes): it replaces the default
     m.observe_lookup(0, 0.02)
     assert m.lookup_deadline_s(4096, 0) == pytest.approx(0.02 + 4096 * KVB / (FIRST_LOAD_GBPS * 1e9), rel=1e-3)
+    assert m.lookup_deadline_s(64, 0) == FIRST_LOAD_MIN_S  # (a small prompt: the floor of the bound)
     # with the prefill rate known, the smaller bound applies; once a hit is measured, only the recompute's
     for n in (256, 512, 1024, 2048):
         m.observe_prefill([(0, n)], 1e-4 * n)

@@ -66,6 +66,9 @@ DEADLINE_FACTOR = 2.0
 FIRST_LOAD_GBPS = 0.1
 #: ... plus this per-lookup latency when no lookup has been measured either (a miss measures it)
 FIRST_LOAD_LATENCY_S = 0.1
+#: ... and never under this (a fresh server's first lookups pay one-off costs; the bound is there to cut off a
+#: store seconds too slow, not to race a healthy one)
+FIRST_LOAD_MIN_S = 0.5
 #: prefill steps with fewer new tokens than this are not prefill observations (decode steps, overheads)
 MIN_PREFILL_TOKENS = 32
 #: decisions (with their outcomes) kept in stats, the newest; every one is logged (load.decision/outcome)
@@ -467,7 +470,8 @@ class CostModel:
         * ``DEADLINE_FACTOR`` times the predicted recompute, once the prefill rate is known;
         * while the store has never been measured with bytes (no hit observed: a fresh replica's first load),
           also the plan's arithmetic for the largest possible hit: its KV bytes at a conservative
-          ``FIRST_LOAD_GBPS`` plus the measured lookup latency (``FIRST_LOAD_LATENCY_S`` before any lookup).
+          ``FIRST_LOAD_GBPS`` plus the measured lookup latency (``FIRST_LOAD_LATENCY_S`` before any lookup),
+          at least ``FIRST_LOAD_MIN_S``.
 
         The smaller applies."""
         if (mode or self.mode) != "auto":
@@ -487,7 +491,7 @@ class CostModel:
         if self.lookup.w is not None and not self._no_bytes(self.lookup):
             return None
         latency = self.lookup.w[0] if self.lookup.w is not None else FIRST_LOAD_LATENCY_S
-        return latency + lookup_tokens * self.kv_bytes_per_token / (FIRST_LOAD_GBPS * 1e9)
+        return max(FIRST_LOAD_MIN_S, latency + lookup_tokens * self.kv_bytes_per_token / (FIRST_LOAD_GBPS * 1e9))
 
     def decide_deadline(self, request_id: str, prompt_tokens: int, local_tokens: int, waited_s: float) -> LoadDecision:
         recompute = self.prefill_s(local_tokens, prompt_tokens)
