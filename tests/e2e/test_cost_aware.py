@@ -126,14 +126,19 @@ def test_a_fast_store_is_loaded_by_a_fresh_calibrated_replica(
     assert recorded["observed_s"] == pytest.approx(outcome["observed_s"], abs=1e-4) and recorded["error"] is not None
 
 
+@pytest.fixture(scope="module")
+def slow(store: Path, replica_a: dict[str, Any]) -> Iterator[LMCacheServer]:
+    """The same directory behind a server whose reads sleep CHUNK_DELAY_S per chunk (once A has filled it)."""
+    with LMCacheServer(_policy(store, "always", slow=True)) as server:
+        yield server
+
+
 def test_a_slow_store_flips_the_decision_to_recompute(
-    work: Path, model: Path, docs: dict[str, list[int]], store: Path, replica_a: dict[str, Any]
+    work: Path, model: Path, docs: dict[str, list[int]], slow: LMCacheServer, replica_a: dict[str, Any]
 ) -> None:
-    slow_policy = _policy(store, "always", slow=True)
-    with LMCacheServer(slow_policy) as slow:
-        # C1 is forced to load: the slow read it observes calibrates this store for the next replica
-        c1 = _replica(work, "c1", model, slow.policy, [_gen(docs["d2"], "d2")])
-        c2 = _replica(work, "c2", model, _with_mode(slow.policy, "auto"), [_gen(docs["d3"], "d3")])
+    # C1 is forced to load: the slow read it observes calibrates this store for the next replica
+    c1 = _replica(work, "c1", model, slow.policy, [_gen(docs["d2"], "d2")])
+    c2 = _replica(work, "c2", model, _with_mode(slow.policy, "auto"), [_gen(docs["d3"], "d3")])
     loaded = _step(c1, "d2")
     assert loaded["num_cached_tokens"] >= DOC_TOKENS - CHUNK and same_output(loaded, _step(replica_a, "d2"))
     est = c1["stats"]["cost"]["estimates"]
@@ -150,3 +155,62 @@ def test_a_slow_store_flips_the_decision_to_recompute(
     stats = c2["stats"]
     assert stats["fallbacks"].get("cost") == 1 and stats["lookups"] == 0  # nothing was looked up or locked
     assert stats["cost"]["decisions"] == {"before_lookup:recompute": 1}
+
+
+def _fresh(work: Path, name: str, model: Path, policy: Policy, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """A replica with a run dir of its own: no estimates persisted by the others (a fresh host)."""
+    spec = {"model": str(model), "policy": policy.to_dict(), "instance": f"{name}-cost", "steps": steps,
+            "log_level": "INFO", "engine": {"max_model_len": 2048}}
+    return run_replica(work, name, spec, timeout_s=600, env={"PREFIXSHARE_CACHE_DIR": str(work / f"cache-{name}")})
+
+
+def _events(result: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return [e for e in result["events"] if e.get("event") == name]
+
+
+def test_a_first_load_on_an_unmeasured_slow_store_is_cut_at_the_plans_bound(
+    work: Path, model: Path, docs: dict[str, list[int]], slow: LMCacheServer, replica_a: dict[str, Any]
+) -> None:
+    """No estimates at all (a fresh host) and a store ~10 s slow for this prompt, load.timeout_s 60 s: the first
+    load is abandoned at the plan's bound (KV bytes at FIRST_LOAD_GBPS + the measured lookup latency, at least
+    FIRST_LOAD_MIN_S), not after the timeout, and the answer is the cold one."""
+    from prefixshare.runtime._cost import FIRST_LOAD_MIN_S
+
+    policy = _with_mode(slow.policy, "auto")
+    miss = document_ids(model, 90, 512)  # not in the store: a miss measures the lookup latency
+    d = _fresh(work, "first", model, policy, [_gen(miss, "miss"), _gen(docs["d0"], "d0")])
+    step = _step(d, "d0")
+    assert step["num_cached_tokens"] == 0 and same_output(step, _step(replica_a, "d0"))
+    [deadline] = [e for e in _events(d, "load.decision") if e["phase"] == "deadline"]
+    assert deadline["decision"] == "recompute" and "first-load bound" in deadline["reason"], deadline
+    [outcome] = [e for e in _events(d, "load.outcome") if e["phase"] == "deadline"]
+    waited = outcome["observed_lookup_s"]
+    # abandoned at the bound (the poll runs once per engine step), far before the throttled read would end
+    assert FIRST_LOAD_MIN_S <= waited < 3.0, outcome
+    assert step["seconds"] < 0.5 * CHUNK_DELAY_S * (DOC_TOKENS // CHUNK), step["seconds"]
+    assert d["stats"]["fallbacks"] == {"cost": 1}  # a cost decision, not a timeout: the store is not marked down
+
+
+def test_a_timed_out_lookup_is_learnt_and_not_waited_for_again(
+    work: Path, model: Path, docs: dict[str, list[int]], slow: LMCacheServer, replica_a: dict[str, Any]
+) -> None:
+    """load.timeout_s (0.3 s) under every other bound: the lookup times out, the store is skipped for a
+    moment, and once its health check passes the next long prompt is recomputed by decision, without a
+    lookup (the timed-out lookup was learnt as at least DEADLINE_FACTOR x the recompute)."""
+    data = slow.policy.to_dict()
+    data["load"] = {"mode": "auto", "timeout_s": 0.3}
+    policy = Policy.build(**data)
+    steps = [_gen(document_ids(model, 91, 512), "miss1"), _gen(document_ids(model, 92, 1024), "miss2"),
+             _gen(docs["d1"], "d1"), {"op": "sleep", "seconds": 1.5}, _gen(docs["d2"], "d2")]
+    t = _fresh(work, "timeout", model, policy, steps)
+    for tag in ("d1", "d2"):
+        step = _step(t, tag)
+        assert step["num_cached_tokens"] == 0 and same_output(step, _step(replica_a, tag)), tag
+    assert _step(t, "d1")["stats"]["fallbacks"].get("lookup_timeout") == 1
+    [timeout] = _events(t, "cost.lookup_timeout_observed")
+    assert timeout["waited_s"] >= 0.3 and timeout["learnt_s"] >= timeout["waited_s"], timeout
+    last = [e for e in _events(t, "load.decision") if e["phase"] == "before_lookup"][-1]
+    assert last["decision"] == "recompute" and last["predicted_load_s"] > last["predicted_recompute_s"], last
+    stats = t["stats"]
+    assert stats["fallbacks"] == {"lookup_timeout": 1, "cost": 1}, stats["fallbacks"]
+    assert stats["cost"]["decisions"].get("timeout:recompute") == 1

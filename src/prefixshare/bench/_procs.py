@@ -16,14 +16,25 @@ from prefixshare.errors import PrefixShareError
 THROTTLE_MODULE, THROTTLE_CLASS = "prefixshare.bench._throttle", "ThrottledFSL2Adapter"
 
 
-def throttled_store_spec(base_path: str, *, chunk_delay_s: float = 0.0,
-                         read_gbps: float | None = None) -> dict[str, Any]:
+def throttled_store_spec(base_path: str, *, chunk_delay_s: float = 0.0, read_gbps: float | None = None,
+                         control_path: str | None = None) -> dict[str, Any]:
     """The ``--l2-adapter`` JSON object of a deliberately slow fs store on ``base_path`` (see
-    :mod:`prefixshare.bench._throttle`; building the spec imports nothing of LMCache)."""
+    :mod:`prefixshare.bench._throttle`; building the spec imports nothing of LMCache). ``control_path``: a JSON
+    file the adapter reads its delay from at every load (a replica's ``throttle`` step writes it)."""
     params: dict[str, Any] = {"base_path": base_path, "chunk_delay_s": chunk_delay_s}
     if read_gbps:
         params["read_gbps"] = read_gbps
+    if control_path:
+        params["control_path"] = control_path
     return {"type": "plugin", "module_path": THROTTLE_MODULE, "class_name": THROTTLE_CLASS, "adapter_params": params}
+
+
+def set_throttle(path: str, *, chunk_delay_s: float = 0.0, read_gbps: float | None = None) -> None:
+    """Write a throttled store's control file (atomically: a load never reads half of it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"chunk_delay_s": chunk_delay_s, "read_gbps": read_gbps}, f)
+    os.replace(tmp, path)
 
 
 class ReplicaError(PrefixShareError):

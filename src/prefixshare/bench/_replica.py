@@ -14,6 +14,9 @@ Steps (each may carry a ``tag`` that is copied into its result):
 * ``{"op": "warm", "doc_id": ID, "text": TEXT}`` — :func:`prefixshare.warm.warm` on one document (the
   pre-warm path); returns its wall time, the report and the document's prefix token ids.
 * ``{"op": "fadvise", "dir": PATH}`` — evict a directory's files from the page cache (POSIX_FADV_DONTNEED).
+* ``{"op": "throttle", "path": PATH, "chunk_delay_s": S}`` — set a throttled store's delay (its control file,
+  :func:`prefixshare.bench._procs.set_throttle`); the server reads it at its next load.
+* ``{"op": "sleep", "seconds": S}`` — wait (e.g. for the store's health check to pass again).
 
 The engine is wired with the connector's keyword arguments directly (no server check), so a replica may
 talk to a server whose L2 tier prefixshare's policy does not describe (the benchmarks' throttled store).
@@ -118,6 +121,8 @@ def main() -> None:
                 stats = _settled_stats(read_stats, requests)
                 out["stats"] = {k: stats.get(k) for k in ("tokens_loaded", "hits", "lookups", "fallbacks",
                                                           "tokens_stored", "requests")}
+                lookup_ms = stats.get("lookup_ms") or {}
+                out["stats"]["lookup_ms_last"] = lookup_ms.get("last") if isinstance(lookup_ms, dict) else None
         elif step["op"] == "warm":
             out.update(_warm(llm, ps, step))
             requests += 1
@@ -125,6 +130,14 @@ def main() -> None:
             t0 = time.perf_counter()
             out["bytes"] = evict_dir(step["dir"])
             out["seconds"] = time.perf_counter() - t0
+        elif step["op"] == "throttle":
+            from prefixshare.bench._procs import set_throttle
+
+            set_throttle(step["path"], chunk_delay_s=float(step.get("chunk_delay_s", 0.0)),
+                         read_gbps=step.get("read_gbps"))
+            out["chunk_delay_s"] = float(step.get("chunk_delay_s", 0.0))
+        elif step["op"] == "sleep":
+            time.sleep(float(step["seconds"]))
         else:
             raise ValueError(f"unknown step {step['op']!r}")
         result["steps"].append(out)

@@ -7,7 +7,9 @@ Loaded by LMCache's MP server through its ``plugin`` L2 adapter type (never impo
                    "adapter_params": {"base_path": "/dir", "chunk_delay_s": 0.05, "read_gbps": 0.2}}'
 
 Every load (L2 -> the server's memory) first sleeps ``chunk_delay_s`` per chunk plus ``bytes / read_gbps``,
-then reads and checks the files exactly like the fs tier's adapter (it reads what an fs tier wrote). Stores,
+then reads and checks the files exactly like the fs tier's adapter (it reads what an fs tier wrote). With
+``control_path``, both are read from that JSON file (``{"chunk_delay_s": ..., "read_gbps": ...}``) at every load,
+so a benchmark can change the store's speed while the server runs (:func:`prefixshare.bench._procs.set_throttle` writes it). Stores,
 lookups (file-exists checks) and deletes are the fs tier's own. It models a store whose medium is slow —
 a congested NFS mount, a remote object store — the case in which loading loses to recomputing. Build the spec with
 :func:`prefixshare.bench._procs.throttled_store_spec` (which imports nothing of LMCache).
@@ -16,6 +18,8 @@ a congested NFS mount, a remote object store — the case in which loading loses
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from typing import Any
 
 from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
@@ -30,9 +34,28 @@ class ThrottledFSL2Adapter(CheckedFSL2Adapter):
         self.chunk_delay_s = float(params.pop("chunk_delay_s", 0.0))
         gbps = params.pop("read_gbps", None)
         self.read_bytes_per_s = float(gbps) * 1e9 if gbps else None
+        self.control_path = params.pop("control_path", None)
+        self._control_mtime: int | None = None
         super().__init__(FSL2AdapterConfig.from_dict(params))
 
+    def _reload(self) -> None:
+        """The control file's settings, when it changed since the last load (a missing or torn file: unchanged)."""
+        try:
+            mtime = os.stat(self.control_path).st_mtime_ns
+            if mtime == self._control_mtime:
+                return
+            with open(self.control_path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return
+        self._control_mtime = mtime
+        self.chunk_delay_s = float(data.get("chunk_delay_s") or 0.0)
+        gbps = data.get("read_gbps")
+        self.read_bytes_per_s = float(gbps) * 1e9 if gbps else None
+
     async def _execute_load(self, keys: list[Any], objects: list[Any], task_id: Any) -> None:  # type: ignore[override]
+        if self.control_path:
+            self._reload()
         delay = self.chunk_delay_s * len(keys)
         if self.read_bytes_per_s:
             delay += sum(len(obj.byte_array) for obj in objects) / self.read_bytes_per_s
@@ -44,4 +67,5 @@ class ThrottledFSL2Adapter(CheckedFSL2Adapter):
         status = super().report_status()
         status["throttle"] = {"chunk_delay_s": self.chunk_delay_s, "read_bytes_per_s": self.read_bytes_per_s}
         return status
+
 

@@ -510,14 +510,21 @@ class CostModel:
         self.observe_lookup(lookup_tokens, waited_s)
         return self._record(d)
 
-    def observe_timeout(self, lookup_tokens: int, waited_s: float) -> None:
+    def observe_timeout(self, lookup_tokens: int, waited_s: float, local_tokens: int = 0) -> float:
         """A lookup of ``lookup_tokens`` outlived the policy's ``load.timeout_s``: the store is at least this slow
-        for that size. Learnt like any lookup (a lower bound), so that once the store's health check passes again
-        a calibrated model recomputes the long prompts instead of waiting out the timeout again."""
-        self.observe_lookup(lookup_tokens, waited_s)
+        for that size. The observation is censored (the true time is longer), so it is learnt as the larger of
+        the time waited and ``DEADLINE_FACTOR`` times the predicted recompute (when the prefill rate is known):
+        once the store's health check passes again, the model recomputes such prompts instead of waiting out the
+        timeout again, and its probes (``PROBE_EVERY``, ``PROBE_AFTER_S``) find out when the store got faster.
+        Returns the value learnt."""
+        recompute = self.prefill_s(local_tokens, lookup_tokens)
+        learnt = max(waited_s, DEADLINE_FACTOR * recompute) if recompute is not None else waited_s
+        self.observe_lookup(lookup_tokens, learnt)
         with self._lock:
             self.counts["timeout:recompute"] += 1
-        self.log.info("cost.lookup_timeout_observed", lookup_tokens=lookup_tokens, waited_s=round(waited_s, 4))
+        self.log.info("cost.lookup_timeout_observed", lookup_tokens=lookup_tokens, waited_s=round(waited_s, 4),
+                      learnt_s=round(learnt, 4))
+        return learnt
 
     def _record(self, d: LoadDecision) -> LoadDecision:
         with self._lock:

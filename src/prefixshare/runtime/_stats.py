@@ -50,6 +50,7 @@ class Stats:
                 "count": len(ordered),
                 "median": ordered[len(ordered) // 2] if ordered else None,
                 "max": ordered[-1] if ordered else None,
+                "last": values[-1] if values else None,  # the newest request's
             }
 
         return {

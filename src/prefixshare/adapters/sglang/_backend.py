@@ -95,7 +95,7 @@ class PrefixShareRadixCache(LMCacheUnifiedRadixCache):
                 if runtime.cost is not None and timing is not None:
                     # the store is at least this slow for this size (learnt: see CostModel.observe_timeout)
                     chunk = runtime.policy.chunk_size
-                    runtime.cost.observe_timeout(timing["prompt"] // chunk * chunk, waited)
+                    runtime.cost.observe_timeout(timing["prompt"] // chunk * chunk, waited, timing["done"])
                 runtime.fallback(info, "lookup_timeout")
                 return True
             if deadline is not None and waited > deadline:

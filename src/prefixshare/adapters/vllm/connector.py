@@ -306,7 +306,8 @@ class SchedulerSide:
             if self.runtime.cost is not None:
                 # the store is at least this slow for this size: learnt, so a calibrated model recomputes such
                 # prompts once the store's health check passes again instead of waiting out the timeout again
-                self.runtime.cost.observe_timeout(tracker.num_prompt_tokens // self.chunk * self.chunk, waited)
+                self.runtime.cost.observe_timeout(tracker.num_prompt_tokens // self.chunk * self.chunk, waited,
+                                                  num_computed_tokens)
             self.runtime.fallback(info, "lookup_timeout")
         else:
             assert self.runtime.cost is not None
