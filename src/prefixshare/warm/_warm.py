@@ -31,6 +31,7 @@ from prefixshare.keys import (
 from prefixshare.policies import AdmissionRequest
 from prefixshare.warm._chunks import NamespaceIndex
 from prefixshare.warm._documents import Document, DocumentError, _from_string, _pair, resolve_documents, split_text
+from prefixshare.warm._lookup import CALL_TIMEOUT_S, Held, LookupUnavailable, ServerLookup
 from prefixshare.warm._registry import DocumentRecord, Registry
 from prefixshare.warm._template import Template, as_template, prefix_ids, question_ids, tokens_digest
 
@@ -44,6 +45,8 @@ DEFAULT_BATCH_TOKENS = 16384
 DEFAULT_VERIFY_TIMEOUT_S = 30.0
 
 WARMED, SKIPPED, TOO_SHORT, REFUSED, FAILED = "warmed", "skipped", "too_short", "refused", "failed"
+#: how warm checks that the store holds a document: on an fs tier's directory, or by asking the MP server
+VERIFY_FS, VERIFY_SERVER, VERIFY_OFF = "fs", "server", "off"
 
 
 class WarmError(PrefixShareError):
@@ -82,7 +85,11 @@ class DocumentResult:
     seconds: float | None = None
     #: prompt tokens the prefill did not compute (already in the store or the engine's prefix cache)
     cached_tokens: int = 0
+    #: True: the store was checked and holds every chunk; False: checked, some are missing; None: not checked
+    #: (``reason`` says why: "unverified: ...")
     verified: bool | None = None
+    #: what answered ``verified``: "fs" (the fs tier's directory) or "server" (the MP server's lookup)
+    verified_by: str | None = None
     reason: str = ""
     part_of: str | None = None
 
@@ -98,6 +105,8 @@ class WarmReport:
     store: str | None
     documents: list[DocumentResult] = field(default_factory=list)
     seconds: float = 0.0
+    #: how prefilled documents were checked: "fs", "server" or "off"
+    verification: str = VERIFY_OFF
 
     def _with(self, *statuses: str) -> list[DocumentResult]:
         return [d for d in self.documents if d.status in statuses]
@@ -120,12 +129,16 @@ class WarmReport:
         return not self.failed
 
     def totals(self) -> dict[str, int]:
+        stored = self._with(WARMED, SKIPPED)
         return {
             "documents": len(self.documents),
             "warmed": len(self.warmed),
             "skipped": len(self.skipped),
             "too_short": len(self._with(TOO_SHORT)),
             "failed": len(self.failed),
+            # of the warmed and skipped documents: checked in the store, and not checked (reason: "unverified: ...")
+            "verified": sum(1 for d in stored if d.verified is True),
+            "unverified": sum(1 for d in stored if d.verified is None),
             "tokens": sum(d.tokens for d in self.documents),
             "warmed_tokens": sum(d.chunk_tokens for d in self.warmed),
             "warmed_bytes": sum(d.bytes for d in self.warmed),
@@ -135,7 +148,8 @@ class WarmReport:
     def to_dict(self) -> dict[str, Any]:
         return {"namespace": self.namespace, "fingerprint": self.fingerprint, "engine": self.engine,
                 "chunk_size": self.chunk_size, "store": self.store, "seconds": round(self.seconds, 3),
-                "ok": self.ok, "totals": self.totals(), "documents": [asdict(d) for d in self.documents]}
+                "verification": self.verification, "ok": self.ok, "totals": self.totals(),
+                "documents": [asdict(d) for d in self.documents]}
 
 
 @dataclass(frozen=True)
@@ -196,7 +210,7 @@ def warm(
     split: bool = False,
     reserve_tokens: int = 0,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
-    verify: bool = True,
+    verify: bool | str = True,
     verify_timeout_s: float = DEFAULT_VERIFY_TIMEOUT_S,
     strict: bool = True,
     progress: Callable[[WarmProgress], None] | None = None,
@@ -209,9 +223,16 @@ def warm(
 
     Only the prefix is prefilled (one generated token, discarded) and stored (``prefixshare.prefix_tokens``).
     Documents whose every chunk is already in the store under this fingerprint are skipped unless ``force``.
-    Afterwards the store's directory tier is checked for every chunk, and each document is recorded in the
-    store's registry. A document longer than the context (``max_model_len - max(reserve_tokens, 1)``) raises
-    :class:`DocumentTooLongError` before anything is warmed, unless ``split=True``.
+    Afterwards the store is checked for every chunk of every prefilled document, polling for up to
+    ``verify_timeout_s`` (the server writes its tiers asynchronously), and each document is recorded in the
+    store's registry (when the store has a directory). ``verify``: True (``"auto"``) checks an fs tier's
+    directory when the policy has one, else asks the node's MP server which chunks it holds (any tier: see
+    :mod:`prefixshare.warm._lookup` for that lookup and its side effect, a load from L2 into the server's
+    memory); ``"fs"`` or ``"server"`` pick one; False skips the check. A document the check finds incomplete
+    is ``failed`` (``verified=False``); one that could not be checked stays ``warmed`` with ``verified=None``
+    and a reason starting "unverified:". A document longer than the context
+    (``max_model_len - max(reserve_tokens, 1)``) raises :class:`DocumentTooLongError` before anything is
+    warmed, unless ``split=True``.
 
     Returns a :class:`WarmReport`; with ``strict`` (default) raises :class:`WarmError` (carrying the report)
     when a document could not be warmed.
@@ -219,8 +240,9 @@ def warm(
     started = time.monotonic()
     run_id = uuid.uuid4().hex[:8]
     log = get_logger(__name__, run=run_id)
-    eng = ps.warm_engine(engine)
     policy = ps.policy
+    mode = _verify_mode(verify, bool(policy.directories))  # a bad value fails before any engine work
+    eng = ps.warm_engine(engine)
     tokenizer = eng.tokenizer
     template = as_template(prefix).resolve(tokenizer)
     documents = resolve_documents(docs)
@@ -232,18 +254,37 @@ def warm(
     run = _WarmRun.open(ps, eng, policy, template, planned, run_id=run_id, log=log, started=started,
                         tenant=tenant, cache_salt=cache_salt, force=force, progress=progress)
 
-    # 2. what is already there, what admission refuses, what must be prefilled
-    run.triage()
-    run.report_progress("plan")
+    try:
+        # 2. what is already there, what admission refuses, what must be prefilled
+        run.triage(verify_timeout_s)
+        run.report_progress("plan")
 
-    # 3. prefill in batches of about batch_tokens tokens
-    run.prefill(batch_tokens)
+        # 3. prefill in batches of about batch_tokens tokens
+        run.prefill(batch_tokens)
 
-    # 4. verify that the store holds every chunk (directory tiers), then record
-    run.verify(verify, verify_timeout_s)
-    run.record()
+        # 4. verify that the store holds every chunk (an fs tier's directory, else the MP server), then record
+        run.verify(mode, verify_timeout_s)
+        run.record()
+    finally:
+        run.close()
 
     return run.finish(strict)
+
+
+def _verify_mode(verify: bool | str, has_directory: bool) -> str:
+    """``warm``'s ``verify`` argument as one of "fs", "server", "off"."""
+    if verify is True or verify == "auto":
+        return VERIFY_FS if has_directory else VERIFY_SERVER
+    if verify is False or verify is None or verify == VERIFY_OFF:
+        return VERIFY_OFF
+    if verify == VERIFY_SERVER:
+        return VERIFY_SERVER
+    if verify == VERIFY_FS:
+        if not has_directory:
+            raise PrefixShareError("verify='fs' needs an fs tier in the policy; use verify=True (the MP server "
+                                   "checks other tiers) or verify='server'")
+        return VERIFY_FS
+    raise PrefixShareError(f"verify={verify!r}: use True ('auto'), 'fs', 'server' or False")
 
 
 def _plan(eng: WarmEngine, tokenizer: Any, template: Template, documents: list[Document], limit: int,
@@ -299,6 +340,10 @@ class _WarmRun:
     tokens_total: int = 0
     bytes_total: int = 0
     done: dict[str, int] = field(default_factory=lambda: {"documents": 0, "tokens": 0, "bytes": 0})
+    #: the MP server's lookup (opened on first use; ``lookup_error`` says why there is none)
+    lookup: ServerLookup | None = None
+    lookup_error: str | None = None
+    triage_timeout_s: float = DEFAULT_VERIFY_TIMEOUT_S
 
     @classmethod
     def open(cls, ps: PrefixShare, eng: WarmEngine, policy: Policy, template: Template, planned: list[_Planned],
@@ -331,8 +376,39 @@ class _WarmRun:
             self.progress(WarmProgress(phase, done["documents"], len(self.todo), done["tokens"], self.tokens_total,
                                        done["bytes"], self.bytes_total, current))
 
-    def triage(self) -> None:
-        """Give every planned document its result (in the report) and collect those to prefill in ``todo``."""
+    def server_lookup(self, timeout_s: float) -> ServerLookup | None:
+        """The node's MP server, asked which chunks it holds (opened once per run; None: it cannot answer, and
+        ``lookup_error`` says why)."""
+        if self.lookup is None and self.lookup_error is None:
+            try:
+                self.lookup = ServerLookup.open(self.policy.server.http_url, self.ns, timeout_s=max(timeout_s, 0.5))
+            except LookupUnavailable as exc:
+                self.lookup_error = str(exc)
+                self.log.warning("warm.server_lookup_unavailable", reason=self.lookup_error)
+        return self.lookup
+
+    def ask_server(self, item: _Planned, deadline: float) -> Held | None:
+        """The server's answer for ``item``'s prefix; None (and ``lookup_error`` set) when it cannot answer."""
+        lookup = self.lookup
+        if lookup is None:
+            return None
+        try:
+            return lookup.held(item.ids, self.salt, deadline)
+        except LookupUnavailable as exc:
+            self.lookup_error = str(exc)
+            self.lookup = None
+            lookup.close()
+            self.log.warning("warm.server_lookup_failed", document=item.doc.id, reason=self.lookup_error)
+            return None
+
+    def close(self) -> None:
+        if self.lookup is not None:
+            self.lookup.close()
+
+    def triage(self, timeout_s: float = DEFAULT_VERIFY_TIMEOUT_S) -> None:
+        """Give every planned document its result (in the report) and collect those to prefill in ``todo``
+        (``timeout_s`` bounds each question to the server, on stores without a directory)."""
+        self.triage_timeout_s = timeout_s
         for item in self.planned:
             if self._needs_prefill(item):
                 self.todo.append(item)
@@ -354,14 +430,8 @@ class _WarmRun:
             result.reason = (f"{len(ids)} tokens is less than one chunk ({policy.chunk_size}); "
                              "nothing of it can be stored or shared")
             return False
-        if not self.force:
-            present = _present(self.index, self.registry, self.fp.digest, item, self.salt)
-            if present is not None:
-                result.status, result.verified = SKIPPED, present
-                result.reason = "already in the store"
-                if self.index is not None:
-                    result.bytes = self.index.bytes_of(item.hashes, self.salt) or result.bytes
-                return False
+        if not self.force and self._already_stored(item, result):
+            return False
         if self.rule is not None:
             decision = self.rule(AdmissionRequest(prompt_tokens=len(ids), document_id=doc.id, tenant=self.tenant,
                                                   prefix_digest=_admission_digest(ids, policy.chunk_size),
@@ -372,6 +442,31 @@ class _WarmRun:
                                  f"admission: {{any: [pinned: [{doc.id!r}]], ...}}")
                 return False
         return True
+
+    def _already_stored(self, item: _Planned, result: DocumentResult) -> bool:
+        """Mark ``result`` skipped when the store holds every chunk of ``item``: by the fs tier's directory, else
+        by the MP server's answer, else (the server cannot answer) by a registry record of the same prefix."""
+        if self.index is not None:
+            if self.index.missing(item.hashes, self.salt):
+                return False
+            result.status, result.verified, result.verified_by = SKIPPED, True, VERIFY_FS
+            result.reason = "already in the store"
+            result.bytes = self.index.bytes_of(item.hashes, self.salt) or result.bytes
+            return True
+        timeout_s = self.triage_timeout_s
+        if self.server_lookup(timeout_s) is not None:
+            held = self.ask_server(item, time.monotonic() + min(max(timeout_s, 1.0), CALL_TIMEOUT_S))
+            if held is not None:
+                if not (held.complete and held.chunks == len(item.hashes)):
+                    return False  # (the registry may say otherwise: the server is what replicas load from)
+                result.status, result.verified, result.verified_by = SKIPPED, True, VERIFY_SERVER
+                result.reason = "already held by the server"
+                return True
+        if _registered(self.registry, self.fp.digest, item, self.salt):
+            result.status, result.verified = SKIPPED, None
+            result.reason = f"already in the store by its registry record (unverified: {self.lookup_error})"
+            return True
+        return False
 
     def prefill(self, batch_tokens: int) -> None:
         """Prefill ``todo`` in batches of about ``batch_tokens`` tokens, reporting progress after each."""
@@ -394,27 +489,105 @@ class _WarmRun:
                 self.done["bytes"] += item.result.bytes
             self.report_progress("prefill", batch[-1].doc.id)
 
-    def verify(self, verify: bool, verify_timeout_s: float) -> None:
-        """Check that the store holds every chunk of ``todo`` (directory tiers); mark the missing ones failed."""
-        if self.todo and verify and self.dirs:
-            self.report_progress("verify")
-            self.index = index = _wait_for_chunks(self.dirs, self.ns, self.todo, self.salt, verify_timeout_s)
+    def verify(self, mode: str, verify_timeout_s: float) -> None:
+        """Check that the store holds every chunk of ``todo`` (``mode``: "fs", "server" or "off"); mark the
+        missing ones failed, those that could not be checked unverified."""
+        self.report.verification = mode
+        if not self.todo:
+            return
+        if mode == VERIFY_OFF:
             for item in self.todo:
                 assert item.result is not None
-                missing = index.missing(item.hashes, self.salt)
-                if missing:
-                    item.result.status = FAILED
-                    item.result.verified = False
-                    item.result.reason = (
-                        f"{len(missing)} of {len(item.hashes)} chunks are not in the store after "
-                        f"{verify_timeout_s:g} s; check the server log ({self.ps.server.log_path}) and ps.stats()")
+                item.result.reason = "unverified: verification was turned off (verify=False)"
+            return
+        self.report_progress("verify")
+        if mode == VERIFY_FS:
+            self._verify_fs(verify_timeout_s)
+        else:
+            self._verify_on_server(verify_timeout_s)
+            if self.dirs:  # the registry records the objects the directory holds
+                self.index = NamespaceIndex.scan(self.dirs, self.ns)
+        results = [i.result for i in self.todo if i.result is not None]
+        self.log.info("warm.verified", by=mode, documents=len(results),
+                      verified=sum(1 for r in results if r.verified is True),
+                      missing=sum(1 for r in results if r.verified is False),
+                      unverified=sum(1 for r in results if r.verified is None))
+
+    def _missing_hint(self) -> str:
+        return f"check the server log ({self.ps.server.log_path}) and ps.stats()"
+
+    def _verify_fs(self, timeout_s: float) -> None:
+        self.index = index = _wait_for_chunks(self.dirs, self.ns, self.todo, self.salt, timeout_s)
+        for item in self.todo:
+            assert item.result is not None
+            item.result.verified_by = VERIFY_FS
+            missing = index.missing(item.hashes, self.salt)
+            if missing:
+                item.result.status = FAILED
+                item.result.verified = False
+                item.result.reason = (f"{len(missing)} of {len(item.hashes)} chunks are not in the store after "
+                                      f"{timeout_s:g} s; {self._missing_hint()}")
+            else:
+                item.result.verified = True
+                item.result.bytes = index.bytes_of(item.hashes, self.salt) or item.result.bytes
+
+    def _verify_on_server(self, timeout_s: float) -> None:
+        """Ask the MP server for every chunk of ``todo``, polling (the store lands after the prefill returns)
+        until it holds them all or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        pending: list[_Planned] = []
+        lookup = self.server_lookup(timeout_s)
+        for item in self.todo:
+            assert item.result is not None
+            if lookup is None:
+                self._unverified(item, self.lookup_error or "the server cannot answer")
+            elif lookup.l1_bytes is not None and item.result.bytes > lookup.l1_bytes:
+                self._unverified(item, f"its KV ({_mib(item.result.bytes)}) is more than the server's memory "
+                                       f"(L1, {_mib(lookup.l1_bytes)}) holds, and the server's lookup loads every "
+                                       "chunk into it")
+            else:
+                pending.append(item)
+        answers: dict[int, Held] = {}
+        delay = VERIFY_POLL_FIRST_S
+        #: one question may finish past the deadline (the timeout bounds the wait for chunks, not an answer)
+        per_question = min(max(timeout_s, 1.0), CALL_TIMEOUT_S)
+        while pending:
+            waiting: list[_Planned] = []
+            for n, item in enumerate(pending):
+                held = self.ask_server(item, max(deadline, time.monotonic() + per_question))
+                if held is None:  # the server stopped answering: what is left cannot be checked
+                    for rest in [*waiting, *pending[n:]]:
+                        self._unverified(rest, self.lookup_error or "the server cannot answer")
+                    return
+                answers[id(item)] = held
+                if held.chunks != len(item.hashes):
+                    self._unverified(item, f"the server hashes the prefix into {held.chunks} chunks where warm "
+                                           f"expects {len(item.hashes)} (is its chunk size the policy's "
+                                           f"{self.policy.chunk_size}?)")
+                elif held.complete:
+                    assert item.result is not None
+                    item.result.verified, item.result.verified_by = True, VERIFY_SERVER
                 else:
-                    item.result.verified = True
-                    item.result.bytes = index.bytes_of(item.hashes, self.salt) or item.result.bytes
-        elif self.todo and verify:
-            for item in self.todo:
-                assert item.result is not None
-                item.result.reason = "not verified: the policy has no directory (fs) tier to check"
+                    waiting.append(item)
+            pending = waiting
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            time.sleep(min(delay, left))
+            delay = min(delay * 1.5, VERIFY_POLL_MAX_S)
+        for item in pending:
+            assert item.result is not None
+            held = answers[id(item)]
+            item.result.status = FAILED
+            item.result.verified, item.result.verified_by = False, VERIFY_SERVER
+            item.result.reason = (f"the server at {self.policy.server.http_url} holds {held.found} of the "
+                                  f"{held.total} objects of its {held.chunks} chunks (in its memory or its tiers) "
+                                  f"after {timeout_s:g} s; {self._missing_hint()}")
+
+    def _unverified(self, item: _Planned, why: str) -> None:
+        assert item.result is not None
+        item.result.verified, item.result.verified_by = None, None
+        item.result.reason = f"unverified: {why}"
 
     def record(self) -> None:
         """Record every warmed or skipped document in the store's registry (when the store has one)."""
@@ -448,17 +621,16 @@ class _WarmRun:
         return report
 
 
-def _present(index: NamespaceIndex | None, registry: Registry | None, fingerprint: str, item: _Planned,
-             salt: str) -> bool | None:
-    """True: every chunk is in the directory tier; None: not (known to be) present. Without a directory
-    tier, a registry record of the same prefix counts (False: present by the registry, unverified)."""
-    if index is not None:
-        return True if not index.missing(item.hashes, salt) else None
-    if registry is not None:
-        record = registry.get(fingerprint, item.doc.id)
-        if record is not None and record.prefix_digest == tokens_digest(item.ids) and record.salt == salt:
-            return False
-    return None
+def _registered(registry: Registry | None, fingerprint: str, item: _Planned, salt: str) -> bool:
+    """Whether the registry records ``item``'s very prefix (and salt) as warmed."""
+    if registry is None:
+        return False
+    record = registry.get(fingerprint, item.doc.id)
+    return record is not None and record.prefix_digest == tokens_digest(item.ids) and record.salt == salt
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def _batches(items: list[_Planned], budget: int) -> list[list[_Planned]]:
