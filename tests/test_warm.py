@@ -461,6 +461,320 @@ def test_warm_needs_an_engine(tmp_path: Path) -> None:
     assert os.environ.get("PREFIXSHARE_CACHE_DIR")  # tests never touch the user's cache
 
 
+# --- verification by the MP server (stores without a directory) --------------------------------------------
+
+
+class LookupStub:
+    """The two HTTP routes warm asks an LMCache MP server (``/status``, ``/cache/prefetches``), answering as
+    LMCache 0.5.6 does (wire format taken from a real server; tests/e2e/test_warm_e2e.py asks a real one)
+    for the chunks in ``held``: (salt, chunk hash) pairs, each one object per kv rank."""
+
+    def __init__(self, chunk_size: int) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.hasher = ChunkHasher(chunk_size)
+        self.held: set[tuple[str, str]] = set()
+        self.registered: list[tuple[str, int]] = []  # (model name, world size) of each engine registration
+        self.l1_bytes = 1 << 30
+        self.routes = True
+        self.pending_polls = 1  # each job answers "pending" this many times first
+        self.asked: list[dict[str, Any]] = []
+        self.jobs: dict[str, list[Any]] = {}
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, code: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/status":
+                    metas = {str(i): {"model_name": m, "world_size": w, "block_size": 32, "use_mla": False}
+                             for i, (m, w) in enumerate(stub.registered)}
+                    self._send(200, {"is_healthy": True, "non_cuda_context_meta": metas, "cache_context_meta": {},
+                                     "storage_manager": {"l1_capacity_bytes_by_backend": {"dram": stub.l1_bytes}}})
+                elif stub.routes and self.path.startswith("/cache/prefetches/"):
+                    rid = self.path.rsplit("/", 1)[-1]
+                    job = stub.jobs.get(rid)
+                    if job is None:
+                        self._send(404, {"detail": f"unknown prefetch request_id={rid!r}"})
+                    elif job[0] > 0:
+                        job[0] -= 1
+                        self._send(200, {"request_id": rid, "status": "pending"})
+                    else:
+                        del stub.jobs[rid]
+                        self._send(200, {"request_id": rid, "status": "completed", "found_keys": job[1],
+                                         "total_keys": job[2]})
+                else:
+                    self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if not (stub.routes and self.path == "/cache/prefetches"):
+                    self._send(404, {"detail": "Not Found"})
+                    return
+                stub.asked.append(body)
+                world = body["world_size"]
+                if (body["model_name"], world) not in stub.registered:
+                    self._send(503, {"detail": f"no layout registered for model_name={body['model_name']!r} "
+                                               f"world_size={body['world_size']}"})
+                    return
+                hashes = stub.hasher.hashes(body["token_ids"])
+                if not hashes:
+                    self._send(202, {"chunks": 0, "status": "noop"})
+                    return
+                found = sum(1 for h in hashes if (body["cache_salt"], h) in stub.held) * world
+                rid = os.urandom(8).hex()
+                stub.jobs[rid] = [stub.pending_polls, found, len(hashes) * world]
+                self._send(202, {"request_id": rid, "chunks": len(hashes), "status": "submitted"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class ServerStoreEngine(FakeEngine):
+    """A FakeEngine whose store is the stub server's memory (``delay_s``: the chunks land that much later)."""
+
+    def __init__(self, *args: Any, stub: LookupStub, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stub = stub
+        self.delay_s = 0.0
+        self.drop_last = False
+        self.files = False  # also write the chunk files (a store with a directory tier too)
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[PrefillResult]:
+        import threading
+        import time
+
+        if self.files:
+            super().prefill(requests)
+        else:
+            self.calls.append(requests)
+        pairs = []
+        for req in requests:
+            salt = expected_salt(req.kv_transfer_params.get("prefixshare.tenant"), req.cache_salt)
+            hashes = self.hasher.hashes(req.token_ids)
+            pairs += [(salt, h) for h in (hashes[:-1] if self.drop_last else hashes)]
+        if self.write:
+            def land() -> None:
+                time.sleep(self.delay_s)
+                self.stub.held.update(pairs)
+
+            threading.Thread(target=land).start() if self.delay_s else land()
+        return [PrefillResult(0) for _ in requests]
+
+
+@pytest.fixture
+def on_server(tmp_path: Path, tiny: Path, tokenizer: Any) -> Any:
+    """A PrefixShare whose only tier is Redis (no directory to check), its server's HTTP port a LookupStub."""
+    stub = LookupStub(CHUNK)
+    policy = Policy.build(chunk_size=CHUNK, l2=[{"type": "resp", "host": "127.0.0.1", "port": free_port()}],
+                          server={"port": free_port(), "http_port": stub.port},
+                          admission={"any": [{"min_tokens": 256}, {"pinned": ["manual-*"]}]})
+    ps = PrefixShare(policy, server=False)
+    eng = ServerStoreEngine(tiny, tokenizer, policy, tmp_path, stub=stub)
+    stub.registered.append((namespace(eng.fp), 1))
+    yield ps, eng, stub
+    stub.close()
+
+
+def test_without_a_directory_warm_asks_the_server_which_chunks_it_holds(on_server: Any) -> None:
+    ps, eng, stub = on_server
+    report = warm(ps, {"guide": _docs()["guide"]}, eng, tenant="acme")
+    result = report.documents[0]
+    assert report.verification == "server" and result.status == "warmed"
+    assert result.verified is True and result.verified_by == "server", result
+    # the keys are the engine's: its namespace, the world size it registered, the store salt it stored under
+    asked = stub.asked[-1]
+    assert asked["model_name"] == namespace(eng.fp) and asked["world_size"] == 1 and asked["cache_salt"] == "t-acme"
+    assert len(asked["token_ids"]) == result.tokens
+    totals = report.to_dict()["totals"]
+    assert (totals["verified"], totals["unverified"]) == (1, 0)
+    # a second warm asks the server too: held, so skipped (verified), and the engine gets nothing
+    calls = len(eng.calls)
+    again = warm(ps, {"guide": _docs()["guide"]}, eng, tenant="acme")
+    assert again.documents[0].status == "skipped" and again.documents[0].verified is True
+    assert again.documents[0].verified_by == "server" and len(eng.calls) == calls
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_chunks_the_server_does_not_hold_fail_verification(on_server: Any, drop_last: bool) -> None:
+    ps, eng, stub = on_server
+    eng.write, eng.drop_last = drop_last, drop_last
+    with pytest.raises(WarmError) as info:
+        warm(ps, {"guide": _docs()["guide"]}, eng, verify_timeout_s=0.3)
+    result = info.value.report.documents[0]  # type: ignore[union-attr]
+    assert result.status == "failed" and result.verified is False and result.verified_by == "server"
+    held = result.chunks - 1 if drop_last else 0
+    assert f"holds {held} of the {result.chunks} objects of its {result.chunks} chunks" in result.reason
+    assert len(stub.asked) >= 3  # polled until the timeout, not asked once
+
+
+def test_server_verification_polls_for_chunks_stored_late(on_server: Any) -> None:
+    import time
+
+    ps, eng, stub = on_server
+    eng.delay_s = 0.15
+    stub.pending_polls = 2
+    started = time.monotonic()
+    report = warm(ps, {"guide": _docs()["guide"]}, eng)
+    assert report.documents[0].verified is True and time.monotonic() - started < 5
+    assert len(stub.asked) >= 3  # (one in triage, then polls until the chunks landed)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ("down", "the server at http://127.0.0.1:{port} does not answer"),
+        ("old", "this LMCache server has no token lookup (POST /cache/prefetches answers HTTP 404)"),
+        ("unregistered", "no engine is registered with the server"),
+        ("two_world_sizes", "engines of several world sizes"),
+        ("small_l1", "is more than the server's memory (L1, 0.0 MiB) holds"),
+        ("off", "verification was turned off (verify=False)"),
+    ],
+)
+def test_what_the_server_cannot_check_is_reported_unverified_not_warmed_and_verified(
+    on_server: Any, change: str, why: str
+) -> None:
+    ps, eng, stub = on_server
+    port = stub.port
+    if change == "down":
+        stub.close()
+    stub.routes = change != "old"
+    if change == "unregistered":
+        stub.registered.clear()
+    if change == "two_world_sizes":  # engines of two parallel sizes under one namespace: which one stored?
+        stub.registered.append((namespace(eng.fp), 2))
+    if change == "small_l1":
+        stub.l1_bytes = 1024
+    report = warm(ps, {"guide": _docs()["guide"]}, eng, verify=change != "off", verify_timeout_s=1.0)
+    result = report.documents[0]
+    assert result.status == "warmed" and result.verified is None and result.verified_by is None, result
+    assert result.reason.startswith("unverified: ") and why.format(port=port) in result.reason, result.reason
+    assert report.ok and report.to_dict()["totals"]["unverified"] == 1
+    assert report.to_dict()["totals"]["verified"] == 0
+
+
+def test_the_server_lookup_checks_a_directory_store_too(tmp_path: Path, tiny: Path, tokenizer: Any) -> None:
+    """verify='server' asks the server on any tier, an fs one included (verify=True reads the directory there)."""
+    stub = LookupStub(CHUNK)
+    store = tmp_path / "store"
+    store.mkdir()
+    policy = Policy.build(chunk_size=CHUNK, l2=[{"type": "fs", "base_path": str(store)}],
+                          server={"port": free_port(), "http_port": stub.port})
+    ps = PrefixShare(policy, server=False)
+    eng = ServerStoreEngine(tiny, tokenizer, policy, store, stub=stub)
+    eng.files = True
+    stub.registered.append((namespace(eng.fp), 1))
+    try:
+        report = warm(ps, {"manual-a": _docs()["manual-a"]}, eng, verify="server")
+        assert report.verification == "server" and len(stub.asked) == 1  # (triage read the directory)
+        result = report.documents[0]
+        assert result.verified is True and result.verified_by == "server"
+        record = Registry(store).get(eng.fp.digest, "manual-a")
+        assert record is not None and record.objects == [(0x01000100, 0)]  # the directory, scanned after
+        assert warm(ps, {"manual-a": _docs()["manual-a"]}, eng).documents[0].verified_by == "fs"
+    finally:
+        stub.close()
+
+
+def test_verify_takes_auto_fs_server_or_off(setup: Any, on_server: Any) -> None:
+    from prefixshare.errors import PrefixShareError
+
+    fs_ps, fs_eng, _ = setup
+    assert warm(fs_ps, {"guide": _docs()["guide"]}, fs_eng, verify="auto").verification == "fs"
+    ps, eng, _ = on_server
+    with pytest.raises(PrefixShareError, match="needs an fs tier"):
+        warm(ps, {"guide": _docs()["guide"]}, eng, verify="fs")
+    with pytest.raises(PrefixShareError, match="use True"):
+        warm(ps, {"guide": _docs()["guide"]}, eng, verify="yes")
+    assert eng.calls == []  # refused before any engine work
+    assert warm(ps, {"guide": _docs()["guide"]}, eng, verify=False).verification == "off"
+
+
+def test_world_sizes_and_l1_are_read_from_the_servers_status() -> None:
+    """/status as LMCache 0.5.6 writes it: CPU (engine-driven) registrations and CUDA ones in two sections."""
+    from prefixshare.warm._lookup import l1_capacity, registered_world_sizes
+
+    status = {"non_cuda_context_meta": {"4242": {"model_name": "ns-a", "world_size": 1, "block_size": 16}},
+              "cache_context_meta": {"7": {"model_name": "ns-b", "world_size": 4, "kv_cache_layout": {}},
+                                     "8": {"model_name": "ns-a", "world_size": 1}},
+              "storage_manager": {"l1_capacity_bytes_by_backend": {"dram": 107374182}}}
+    assert registered_world_sizes(status, "ns-a") == {1} and registered_world_sizes(status, "ns-b") == {4}
+    assert registered_world_sizes(status, "ns-c") == set() and registered_world_sizes({}, "ns-a") == set()
+    assert l1_capacity(status) == 107374182 and l1_capacity({}) is None
+
+
+@pytest.mark.server
+def test_the_lookup_reads_a_real_servers_answer(tmp_path: Path) -> None:
+    """Against a real LMCache MP server (no engine): KV registered and stored through LMCache's own client
+    as a CPU engine does, then asked for by token ids as warm asks (tests/e2e/test_warm_e2e.py does it on a
+    resp tier with vLLM)."""
+    import time
+    import uuid
+
+    import torch
+    import zmq
+    from lmcache.utils import EngineType
+    from lmcache.v1.gpu_connector.utils import LayoutHints
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+    from lmcache.v1.multiprocess.transfer_context import EngineDrivenTransferContext
+    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+    from prefixshare.server import LMCacheServer
+    from prefixshare.warm._lookup import LookupUnavailable, ServerLookup
+
+    model, tokens, block = "prefixshare-lookup-probe", list(range(1000, 1128)), 16
+    policy = Policy.build(chunk_size=32, l1={"size_gb": 0.1},
+                          l2=[{"type": "fs", "base_path": str(tmp_path / "store"), "create": True}],
+                          server={"port": free_port(), "http_port": free_port(), "start_timeout_s": 90})
+    with LMCacheServer(policy) as server:
+        with pytest.raises(LookupUnavailable, match="no engine is registered"):
+            ServerLookup.open(server.http_url, model)
+        zctx = zmq.Context()
+        client = RequestClientFactory.create(server.url, context=zctx)
+        kv = {f"layer.{i}": torch.randn((2, 16, block, 2, 64)) for i in range(2)}
+        ctx = EngineDrivenTransferContext(instance_id=4242, req_client=client)
+        ctx.register(kv, model, 1, 32 // block, 10.0, layout_hints=LayoutHints(kv_layout="NHD"),
+                     engine_group_infos=[EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1),
+                                                         tokens_per_block=block)], engine_type=EngineType.VLLM)
+        try:
+            rid = f"store-{uuid.uuid4().hex}"
+            key = IPCCacheServerKey(model_name=model, world_size=1, num_kv_readers=1, worker_id=0,
+                                    token_ids=tuple(tokens[:96]), start=0, end=96, request_id=rid, cache_salt="s1")
+            assert ctx.submit_store(rid, key, kv, [list(range(3, 9))], None, 32 // block).result(timeout=10)
+            lookup = ServerLookup.open(server.http_url, model)
+            assert lookup.world_size == 1 and lookup.l1_bytes
+            deadline = time.monotonic() + 10
+            held = lookup.held(tokens[:96], "s1", deadline)
+            assert (held.found, held.total, held.chunks) == (3, 3, 3) and held.complete
+            held = lookup.held(tokens, "s1", deadline)  # the 4th chunk was never stored
+            assert (held.found, held.total, held.chunks) == (3, 4, 4) and not held.complete
+            assert lookup.held(tokens[:96], "", deadline).found == 0  # another salt: other keys
+            held = lookup.held(tokens[:20], "s1", deadline)  # less than a chunk
+            assert (held.found, held.total, held.chunks) == (0, 0, 0) and not held.complete
+            lookup.close()
+        finally:
+            ctx.unregister().result(timeout=10)
+            ctx.close()
+            client.close()
+            zctx.term()
+
+
 # --- CLI input errors (before any engine starts) -----------------------------------------------------------
 
 
