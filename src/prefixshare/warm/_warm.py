@@ -469,25 +469,46 @@ class _WarmRun:
         return False
 
     def prefill(self, batch_tokens: int) -> None:
-        """Prefill ``todo`` in batches of about ``batch_tokens`` tokens, reporting progress after each."""
-        eng, tenant, cache_salt = self.eng, self.tenant, self.cache_salt
+        """Prefill ``todo`` in batches of about ``batch_tokens`` tokens, reporting progress after each.
+
+        A document the store lacks may still sit in the engine's own prefix cache (warmed before the store lost
+        it, or asked about by users): the engine then computes none of it, so its connector stores none of it.
+        Documents of which the prefill computed no chunk at all are prefilled again after the engine's prefix
+        cache is emptied (what ``force`` does first); a partial hit is left to verification to report."""
+        eng = self.eng
         if self.todo and self.force:
             eng.reset_prefix_cache()  # a forced warm must compute (and store) again, not hit its own cache
-        for batch in _batches(self.todo, batch_tokens):
+        cached = self._prefill_batches(self.todo, batch_tokens, count=True)
+        if cached and not self.force:
+            self.log.info("warm.engine_cache_reset", documents=len(cached),
+                          reason="the engine's prefix cache held documents the store lacks; prefilled again")
+            eng.reset_prefix_cache()
+            self._prefill_batches(cached, batch_tokens, count=False)
+
+    def _prefill_batches(self, items: list[_Planned], batch_tokens: int, *, count: bool) -> list[_Planned]:
+        """Prefill ``items``; returns those the engine computed no chunk of (every chunk a cache hit)."""
+        tenant, cache_salt = self.tenant, self.cache_salt
+        hit: list[_Planned] = []
+        for batch in _batches(items, batch_tokens):
             t0 = time.monotonic()
             engine_salt = cache_salt or (tenant_salt(tenant) if tenant else None)  # as Prompt.engine_input
             requests = [PrefillRequest(i.ids, _params(i.doc.id, len(i.ids), tenant), engine_salt) for i in batch]
-            results = eng.prefill(requests)
+            results = self.eng.prefill(requests)
             seconds = time.monotonic() - t0
             batch_tokens_n = sum(len(i.ids) for i in batch) or 1
             for item, res in zip(batch, results, strict=True):
                 assert item.result is not None
                 item.result.cached_tokens = res.cached_tokens
-                item.result.seconds = round(seconds * len(item.ids) / batch_tokens_n, 4)
-                self.done["documents"] += 1
-                self.done["tokens"] += len(item.ids)
-                self.done["bytes"] += item.result.bytes
+                share = round(seconds * len(item.ids) / batch_tokens_n, 4)
+                item.result.seconds = share if count else round((item.result.seconds or 0.0) + share, 4)
+                if res.cached_tokens >= len(item.hashes) * self.policy.chunk_size:
+                    hit.append(item)
+                if count:
+                    self.done["documents"] += 1
+                    self.done["tokens"] += len(item.ids)
+                    self.done["bytes"] += item.result.bytes
             self.report_progress("prefill", batch[-1].doc.id)
+        return hit
 
     def verify(self, mode: str, verify_timeout_s: float) -> None:
         """Check that the store holds every chunk of ``todo`` (``mode``: "fs", "server" or "off"); mark the
@@ -513,8 +534,13 @@ class _WarmRun:
                       missing=sum(1 for r in results if r.verified is False),
                       unverified=sum(1 for r in results if r.verified is None))
 
-    def _missing_hint(self) -> str:
-        return f"check the server log ({self.ps.server.log_path}) and ps.stats()"
+    def _missing_hint(self, item: _Planned) -> str:
+        hint = f"check the server log ({self.ps.server.log_path}) and ps.stats()"
+        cached = item.result.cached_tokens if item.result is not None else 0
+        if cached >= self.policy.chunk_size and not self.force:
+            hint = (f"the engine did not compute {cached} of its tokens (its prefix cache held them), and its "
+                    f"connector stores only what it computes: warm it again with force=True; or {hint}")
+        return hint
 
     def _verify_fs(self, timeout_s: float) -> None:
         self.index = index = _wait_for_chunks(self.dirs, self.ns, self.todo, self.salt, timeout_s)
@@ -526,7 +552,7 @@ class _WarmRun:
                 item.result.status = FAILED
                 item.result.verified = False
                 item.result.reason = (f"{len(missing)} of {len(item.hashes)} chunks are not in the store after "
-                                      f"{timeout_s:g} s; {self._missing_hint()}")
+                                      f"{timeout_s:g} s; {self._missing_hint(item)}")
             else:
                 item.result.verified = True
                 item.result.bytes = index.bytes_of(item.hashes, self.salt) or item.result.bytes
@@ -582,7 +608,7 @@ class _WarmRun:
             item.result.verified, item.result.verified_by = False, VERIFY_SERVER
             item.result.reason = (f"the server at {self.policy.server.http_url} holds {held.found} of the "
                                   f"{held.total} objects of its {held.chunks} chunks (in its memory or its tiers) "
-                                  f"after {timeout_s:g} s; {self._missing_hint()}")
+                                  f"after {timeout_s:g} s; {self._missing_hint(item)}")
 
     def _unverified(self, item: _Planned, why: str) -> None:
         assert item.result is not None
