@@ -327,6 +327,40 @@ def test_a_document_whose_chunks_vanished_is_warmed_again(setup: Any) -> None:
     assert [d.status for d in again.documents] == ["warmed"] and victim.exists()
 
 
+class CachingEngine(FakeEngine):
+    """A FakeEngine with a prefix cache of its own: a prompt it has seen is not computed, so not stored."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache: set[tuple[int, ...]] = set()
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[PrefillResult]:
+        fresh = [r for r in requests if tuple(r.token_ids) not in self.cache]
+        super().prefill(fresh)
+        self.cache.update(tuple(r.token_ids) for r in requests)
+        return [PrefillResult(0 if r in fresh else len(r.token_ids) // 32 * 32) for r in requests]
+
+    def reset_prefix_cache(self) -> None:
+        super().reset_prefix_cache()
+        self.cache.clear()
+
+
+def test_a_document_the_store_lost_but_the_engine_still_caches_is_stored_again(setup: Any, tiny: Path,
+                                                                              tokenizer: Any) -> None:
+    """Re-warming after the store lost a document: the engine's own prefix cache answers the prefill (nothing
+    computed, so nothing stored), so warm empties that cache and prefills it again."""
+    ps, _, store = setup
+    eng = CachingEngine(tiny, tokenizer, ps.policy, store)
+    warm(ps, {"guide": _docs()["guide"]}, eng)
+    for chunk in store.glob("*.data"):
+        chunk.unlink()
+    again = warm(ps, {"guide": _docs()["guide"]}, eng)
+    result = again.documents[0]
+    assert result.status == "warmed" and result.verified is True and result.cached_tokens == 0
+    assert eng.resets == 1 and len(eng.calls) == 3  # the hit, then the prefill after the reset
+    assert len(list(store.glob("*.data"))) == result.chunks
+
+
 def test_missing_chunks_fail_verification(setup: Any) -> None:
     ps, eng, _ = setup
     eng.write = False
