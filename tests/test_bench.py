@@ -35,46 +35,59 @@ def test_quick_bench_produces_sane_results(tmp_path: Path) -> None:
     m = results["machine"]
     assert m["cores"] >= 1 and m["memory_gb"] > 0 and m["versions"]["prefixshare"] and m["cpu"]
 
+    assert results["run_id"] and results["commit"] and results["recorded_at"]
+
     rows = results["per_length"]
-    assert sorted(map(int, rows)) == results["settings"]["lengths"]
+    settings = results["settings"]
+    assert sorted(map(int, rows)) == settings["lengths"]
     for n, row in rows.items():
-        for key in ("cold_ttft_s", "warm_ttft_s", "local_ttft_s"):
+        n = int(n)
+        for key in ("raw_cold_ttft_s", "cold_ttft_s", "warm_ttft_s", "one_token_ttft_s"):
             _sane(row[key], runs)
-        # the cross-replica replica really loaded (all but the last partial chunk / token)
-        assert row["warm_loaded_tokens"]["min"] >= int(n) - results["settings"]["chunk_size"]
-        assert row["limit_page_cache_warm_s"] > row["local_ttft_s"]["median"]
-        for src in ("raw", "fs_l2"):
+            assert len(row[key]["values"]) == runs  # every run's value, not only the summary
+        # prompts are n + 1 tokens: the warm replica loaded exactly the n-token prefix from the store, and its
+        # one-token request found exactly that prefix in its own KV cache: both computed one token
+        assert row["warm_loaded_tokens"] == [n] * runs, row["warm_loaded_tokens"]
+        assert row["one_token_cached_tokens"] == [n] * runs, row["one_token_cached_tokens"]
+        floor = row["floor_s"]
+        assert floor["total_s"] > floor["one_token_s"] == row["one_token_ttft_s"]["median"]
+        assert all(floor[k] > 0 for k in ("read_s", "copy_s", "read_gbps", "copy_gbps", "hash_gbps"))
+        assert floor["hash_s"] > 0 if results["integrity_hashing"] else floor["hash_s"] == 0
+        for src in ("raw", "fs_l2", "fs_l2_plain"):
             for key in ("write_gbps", "read_warm_gbps", "read_evicted_gbps"):
                 assert row["io"][src][key]["median"] > 0
+        miss = row["miss_overhead"]
+        assert math.isfinite(miss["ratio"]) and miss["lookup_s"] is not None and miss["lookup_s"] > 0
         assert 0 < row["overhead_us"]["calls_us"]["median"] < row["overhead_us"]["total_us"]
         assert math.isfinite(row["overhead_pct_of_warm_ttft"])
-    for n in results["settings"]["slow_lengths"]:
+    for n in settings["slow_lengths"]:
         row = rows[str(n)]
-        for key in ("throttled_auto_ttft_s", "throttled_cold_ttft_s", "prewarm_s", "raw_prefill_s",
-                    "local_raw_engine_ttft_s"):
+        for key in ("prewarm_s", "raw_prefill_s"):
             _sane(row[key], runs)
         assert row["prewarm_tokens"] > 0
 
-    # cost-aware loading: the calibrated replica chose to recompute rather than read the throttled store,
-    # and every recorded decision carries a prediction and its observed time
-    measured = results["cost_aware"]["measured_replica"]
-    assert measured["decisions"].get("before_lookup:recompute", 0) >= runs
-    for n in results["settings"]["slow_lengths"]:
-        assert rows[str(n)]["throttled_loaded_tokens"] == [0] * runs
-    # (a decision taken on a deadline, or one whose request had not finished when the stats were read,
-    # carries no load prediction or no observation yet: only complete before-lookup records are checked)
-    recent = [d for d in measured["recent"] if d["decision"] == "recompute" and d["phase"] == "before_lookup"
-              and d["observed_s"] is not None]
-    assert recent and all(d["predicted_load_s"] > d["predicted_recompute_s"] > 0 and d["observed_s"] > 0
-                          for d in recent), measured["recent"]
-    assert results["cost_aware"]["learning_replica"]["decisions"]
+    # item 1: the floor is a lower bound (the run itself fails when it is beaten; checked here too)
+    assert results["goals"]["P2"]["floor_check"]["ok"], results["goals"]["P2"]["floor_check"]
+    # item 2: the sweep yields a regret per point, from forced loads that loaded and forced recomputes that did not
+    sweep = results["sweep"]["per_length"]
+    assert sorted(map(int, sweep)) == settings["sweep_lengths"]
+    for n, d in sweep.items():
+        assert [p["factor"] for p in d["points"]] == settings["sweep_factors"]
+        for p in d["points"]:
+            assert p["load_loaded_tokens"] == [int(n)] * settings["sweep_runs"], p
+            assert p["recompute_loaded_tokens"] == [0] * settings["sweep_runs"], p
+            assert len(p["auto_choices"]) == settings["sweep_runs"]
+            assert math.isfinite(p["regret"]) and p["regret"] > 0 and p["better"] in ("load", "recompute")
+    assert set(results["goals"]["P4"]["per_point"]) == {f"{n}@{p['factor']}" for n, d in sweep.items()
+                                                         for p in d["points"]}
 
     goals = results["goals"]
-    assert set(goals) == {"P1", "P2", "P3", "P4", "P5", "P6", "KV"}
+    assert set(goals) == {"P1", "P2", "P3", "P4", "P5", "P6", "P7", "KV"}
     assert all(isinstance(g["pass"], bool) for g in goals.values())
     # the KV bytes the store holds per token are what `prefixshare plan` predicts (not a timing)
     assert goals["KV"]["pass"], results["kv_bytes_per_token"]
 
+    assert len(results["plots"]) == 3
     for plot in results["plots"]:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the page can be rendered again from the results alone (nothing measured)
@@ -86,6 +99,7 @@ def test_quick_bench_produces_sane_results(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert again.read_text().split("## Goals")[1] == docs.read_text().split("## Goals")[1]
     page = docs.read_text()
-    assert "prefixshare bench --quick" in page and m["cpu"] in page and "| P4 |" in page
+    assert "prefixshare bench --quick" in page and m["cpu"] in page and "| P4 |" in page and "| P7 |" in page
+    assert results["run_id"] in page
     for plot in results["plots"]:
         assert os.path.relpath(plot, docs.parent) in page

@@ -186,11 +186,39 @@ def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int, *, check
             "read_warm_gbps": gbps(warm), "read_evicted_gbps": gbps(cold)}
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    """Median, min, max and count of a list of measurements."""
+def copy_path(size: int, chunk_bytes: int, reps: int) -> dict[str, Any]:
+    """The in-memory stages of a load, each at its best (for the lower bound of P2): blake3 over ``size`` bytes
+    in ``chunk_bytes`` pieces with the fs tier's own digest function (one core, as the tier hashes), and one
+    copy of ``size`` bytes between two tensors (torch's CPU copy, the way bytes reach the engine's KV cache)."""
+    import torch
+
+    from prefixshare.server.plugins import integrity
+
+    payload = memoryview(os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1))[:size]
+    hashes, copies = [], []
+    src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults are not the copy's
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for off in range(0, size, chunk_bytes):
+            integrity.digest("chunk", payload[off:off + chunk_bytes])
+        hashes.append(size / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(size / (time.perf_counter() - t0) / 1e9)
+    return {"bytes": size, "chunk_bytes": chunk_bytes, "hash_gbps": summary(hashes), "copy_gbps": summary(copies)}
+
+
+def summary(values: list[float], *, keep: bool = True) -> dict[str, Any]:
+    """Median, min, max, count and (``keep``) the values themselves, in the order measured. The µs loops of P5
+    (thousands of iterations) keep only the summary."""
     if not values:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0, "values": []}
+    out = {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+    if keep:
+        out["values"] = [round(v, 6) for v in values]
+    return out
 
 
 def runtime_overhead(model_dir: Path, policy: Any, lengths: list[int], iterations: int = 2000) -> dict[str, Any]:
@@ -310,6 +338,6 @@ def _overhead_row(cost: CostModel, per_call: list[float], publish: list[float], 
     # the writer under sustained load: a snapshot every interval, the estimates once a second
     busy_s = (statistics.median(write) / ConnectorRuntime.PUBLISH_INTERVAL_S
               + statistics.median(save) / cost.SAVE_INTERVAL_S) / 1e6
-    return {"calls_us": summary(per_call), "publish_us": summary(publish), "total_us": calls + pub,
-            "write_us": summary(write), "cost_save_us": summary(save),
+    return {"calls_us": summary(per_call, keep=False), "publish_us": summary(publish, keep=False),
+            "total_us": calls + pub, "write_us": summary(write, keep=False), "cost_save_us": summary(save, keep=False),
             "writer_cpu_pct": busy_s * 100}

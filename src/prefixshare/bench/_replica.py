@@ -15,8 +15,13 @@ Steps (each may carry a ``tag`` that is copied into its result):
   pre-warm path); returns its wall time, the report and the document's prefix token ids.
 * ``{"op": "fadvise", "dir": PATH}`` — evict a directory's files from the page cache (POSIX_FADV_DONTNEED).
 * ``{"op": "throttle", "path": PATH, "chunk_delay_s": S}`` — set a throttled store's delay (its control file,
-  :func:`prefixshare.bench._procs.set_throttle`); the server reads it at its next load.
+  :func:`prefixshare.bench._procs.set_throttle`); the server reads it at its next load. Or, calibrated on this
+  replica's own earlier steps: ``{"op": "throttle", "path": PATH, "factor": F, "load_tags": [...],
+  "recompute_tags": [...], "chunks": K}`` sets the delay per chunk so that a load is predicted to take ``F`` x the
+  median of the ``recompute_tags`` steps, the ``load_tags`` steps being the unthrottled loads (never under 0).
 * ``{"op": "sleep", "seconds": S}`` — wait (e.g. for the store's health check to pass again).
+* ``{"op": "clear_l1", "url": "http://HOST:HTTP_PORT"}`` — empty the MP server's L1 (``POST /cache/clear``), so
+  that the next load reads the store's medium (L2) again, not the server's memory.
 
 The engine is wired with the connector's keyword arguments directly (no server check), so a replica may
 talk to a server whose L2 tier prefixshare's policy does not describe (the benchmarks' throttled store).
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -133,11 +139,23 @@ def main() -> None:
         elif step["op"] == "throttle":
             from prefixshare.bench._procs import set_throttle
 
-            set_throttle(step["path"], chunk_delay_s=float(step.get("chunk_delay_s", 0.0)),
-                         read_gbps=step.get("read_gbps"))
-            out["chunk_delay_s"] = float(step.get("chunk_delay_s", 0.0))
+            delay = float(step.get("chunk_delay_s", 0.0))
+            if "factor" in step:
+                seconds = {s["tag"]: s["seconds"] for s in result["steps"] if s.get("tag") and "seconds" in s}
+                recompute = statistics.median(seconds[t] for t in step["recompute_tags"])
+                load = statistics.median(seconds[t] for t in step["load_tags"])
+                out.update(recompute_s=recompute, load_s=load, target_s=float(step["factor"]) * recompute)
+                delay = max(0.0, out["target_s"] - load) / int(step["chunks"])
+            set_throttle(step["path"], chunk_delay_s=delay, read_gbps=step.get("read_gbps"))
+            out["chunk_delay_s"] = delay
         elif step["op"] == "sleep":
             time.sleep(float(step["seconds"]))
+        elif step["op"] == "clear_l1":
+            import httpx
+
+            t0 = time.perf_counter()
+            httpx.post(step["url"].rstrip("/") + "/cache/clear", json={"tier": "l1"}, timeout=30).raise_for_status()
+            out["seconds"] = time.perf_counter() - t0
         else:
             raise ValueError(f"unknown step {step['op']!r}")
         result["steps"].append(out)
