@@ -11,6 +11,14 @@ import pytest
 
 from e2e.common import document_ids
 from faults._common import DOCS, WARMUP, gen, run_steps
+from faults._matrix import commit, run_id
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One run id (and commit) for the whole pytest session, exported as PREFIXSHARE_FAULT_RUN before any test
+    records: every row of this session, tests/e2e/test_tiers.py's included, carries the same one."""
+    run_id()
+    commit()
 
 
 @pytest.fixture(scope="session")
