@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e.common import hf_greedy, parse_events, same_output  # noqa: F401 - hf_greedy: re-exported
+from faults._matrix import SLACK_S  # noqa: F401 - re-exported: the tests' tolerance, stated on the page
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "_replica.py"
@@ -20,8 +21,6 @@ SCRIPT = HERE / "_replica.py"
 DOCS: dict[str, tuple[int, int]] = {name: (40 + i, 640) for i, name in enumerate("abcdefghijkl")}
 WARMUP = "warmup"  # the first request of a process is slow (kernels, allocations): never timed
 DOCS[WARMUP] = (39, 100)
-#: machine noise allowed on top of a latency budget (2 shared CPU cores, other engines running beside)
-SLACK_S = 1.0
 
 
 def gen(name: str, ids: list[int], *, reset: bool = True, **extra: Any) -> dict[str, Any]:
@@ -104,6 +103,46 @@ def delta(before: dict[str, Any] | None, after: dict[str, Any] | None, key: str,
         value = s.get(key, 0)
         return int(value.get(sub, 0)) if sub is not None else int(value or 0)
     return get(after) - get(before)
+
+
+def counters(run: dict[str, Any], first: str, last: str | None = None) -> dict[str, Any]:
+    """The connector's counters over the steps ``first`` .. ``last`` (inclusive, in run order) of a replica run,
+    from its per-step stats snapshots: ``requests``, ``hits`` (lookups that found KV), ``fallbacks`` (every
+    reason, broken down in ``fallback_reasons``), ``tokens_loaded``, ``tokens_stored``, ``admitted``."""
+    results = run["results"]
+    names = [r["name"] for r in results]
+    i, j = names.index(first), names.index(last or first)
+    assert i <= j, (first, last)
+    before = next((r["stats"] for r in reversed(results[:i]) if r.get("stats")), None)
+    after = next((r["stats"] for r in reversed(results[: j + 1]) if r.get("stats")), None)
+    assert after is not None, f"no stats snapshot up to {last or first!r}: the replica ran without prefixshare"
+    reasons = {k: v - (before or {}).get("fallbacks", {}).get(k, 0) for k, v in after.get("fallbacks", {}).items()}
+    reasons = {k: v for k, v in reasons.items() if v}
+    out = {key: delta(before, after, key) for key in ("requests", "hits", "tokens_loaded", "tokens_stored",
+                                                      "admitted")}
+    out.update(fallbacks=sum(reasons.values()), fallback_reasons=reasons)
+    return out
+
+
+def row_counters(c: dict[str, Any]) -> dict[str, int]:
+    """The part of :func:`counters` a Row holds (``Row(..., **row_counters(c))``)."""
+    return {k: c[k] for k in ("requests", "hits", "fallbacks", "tokens_loaded")}
+
+
+def log_since(path: Path, offset: int) -> str:
+    """What a (server) log gained since ``offset`` bytes."""
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's state letter of a process (R, S, D, T = stopped, Z = zombie ...), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def identical(got: dict[str, Any], cold: dict[str, Any]) -> bool:

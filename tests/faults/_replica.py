@@ -107,6 +107,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for i, step in enumerate(spec["steps"]):
         op, name = step["op"], step.get("name", str(i))
+        started_at = time.time()  # wall clock: steps of two replicas are compared (did they overlap?)
         if op == "generate":
             res = generate(step["ids"], step, step.get("params"), step.get("cache_salt"))
         elif op == "pause":
@@ -134,7 +135,7 @@ def main() -> None:
             res["prefix_tokens"] = p.prefix_tokens
         else:
             raise ValueError(f"unknown step {op!r}")
-        res.update(op=op, name=name)
+        res.update(op=op, name=name, started_at=started_at, ended_at=time.time())
         results.append(res)
     result = {"results": results, "stats": stats()}
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")

@@ -50,7 +50,7 @@ def test_fuzzed_policies_name_their_fields() -> None:
     assert total >= POLICY_EXAMPLES * 0.9 and seen["error naming the field"] > 0, seen
     record(Row("bad input", f"{total} fuzzed policies (hypothesis: random fields, types, nesting)",
                "100% either valid or a PolicyError naming each bad field with what is wrong; no traceback",
-               engine="none", requests=total, extra=dict(seen)))
+               engine="none", extra={"cases": total, **seen}))
 
 
 def test_fuzzed_policy_yaml_through_the_cli(cli: typer.Typer, tmp_path: Path) -> None:
@@ -75,7 +75,7 @@ def test_fuzzed_policy_yaml_through_the_cli(cli: typer.Typer, tmp_path: Path) ->
     total = sum(seen.values())
     record(Row("bad input", f"{total} fuzzed policy files (YAML, random text, random bytes) to `policy validate`",
                "exit 0 (valid) or 2 with the file and field named; no traceback",
-               engine="none", requests=total, extra={f"exit_{k}": v for k, v in seen.items()}))
+               engine="none", extra={"cases": total, **{f"exit_{k}": v for k, v in seen.items()}}))
 
 
 ARG_VALUES = st.one_of(st.text(max_size=20), st.sampled_from(["-1", "0", "1e99", "nan", "1h", "50GB", "-", "",
@@ -109,7 +109,7 @@ def test_fuzzed_cli_arguments_give_clear_errors(cli: typer.Typer, tmp_path: Path
     record(Row("bad input", f"{total} fuzzed CLI invocations (policy, inspect, gc, doctor, server, fingerprint, "
                "plan, warm with random values)",
                "every failure exits non-zero with a message and no traceback",
-               engine="none", requests=total, extra=dict(seen)))
+               engine="none", extra={"cases": total, **seen}))
 
 
 @pytest.mark.server
@@ -129,4 +129,4 @@ def test_an_unreachable_tier_fails_at_startup_naming_the_tier(cli: typer.Typer, 
     record(Row("bad input", "a policy whose L2 tier is unreachable (resp at a closed port)",
                "the server does not start: ServerError / `server start` exit 1 naming the tier "
                f"(\"l2 tier resp:127.0.0.1:PORT is unreachable: ... does not answer PING\")",
-               engine="none", tier="resp", requests=0, extra={"message": str(info.value)[:160]}))
+               engine="none", tier="resp", extra={"message": str(info.value)[:160], "cli_exit": result.exit_code}))
