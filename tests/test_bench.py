@@ -58,6 +58,10 @@ def test_quick_bench_produces_sane_results(tmp_path: Path) -> None:
                 assert row["io"][src][key]["median"] > 0
         miss = row["miss_overhead"]
         assert math.isfinite(miss["ratio"]) and miss["lookup_s"] is not None and miss["lookup_s"] > 0
+        # the bypassed prompts of P7's in-process pairs were left alone: nothing looked up, loaded or stored
+        _sane(row["bypassed_cold_ttft_s"], runs)
+        assert len(miss["added_values_s"]) == runs and math.isfinite(miss["in_process_ratio"])
+        assert miss["bypassed_did"] == {"lookups": 0, "tokens_stored": 0, "tokens_loaded": 0}, miss
         assert 0 < row["overhead_us"]["calls_us"]["median"] < row["overhead_us"]["total_us"]
         assert math.isfinite(row["overhead_pct_of_warm_ttft"])
     for n in settings["slow_lengths"]:

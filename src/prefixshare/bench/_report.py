@@ -275,20 +275,26 @@ def _md_miss(rows: dict[str, Any], lengths: list[int]) -> list[str]:
         "",
         "## P7: the miss overhead",
         "",
-        "The same prompts computed cold by the raw engine (R) and by a replica with prefixshare attached (A, whose "
-        "store is empty, so every lookup misses and every prompt is then stored). The difference is split into the "
-        "lookup (the connector's own timing of it), prefixshare's per-request calls (P5, timed in-process) and the "
-        "rest — the engine-side copy of the KV into the server and anything else — by difference. A and R ran one "
-        "after the other: a drifting machine load shows in the difference too.",
+        "The same prompts computed cold by the raw engine (R, vLLM without prefixshare, run right after A: the goal's "
+        "ratio) and by a replica with prefixshare attached (A, whose store is empty, so every lookup misses and "
+        "every prompt is then stored). Between the two processes the machine's load drifts, so A also computed, "
+        "interleaved with those, prompts of the same length that prefixshare was told to leave alone "
+        "(`prefixshare.load: never`, `prefixshare.store: false`: no lookup, no store; *bypassed*): the in-process "
+        "ratio and the added time (median of the per-pair differences) come from those pairs. The added time is "
+        "split into the lookup (the connector's own timing of it), prefixshare's per-request calls (P5, timed "
+        "in-process) and the rest — the engine-side copy of the KV into the server and anything else — by "
+        "difference.",
         "",
-        "| n | raw cold | cold, prefixshare | ratio | added | lookup (miss) | prefixshare's calls | store copy and rest |",
-        "|---|---|---|---|---|---|---|---|",
+        "| n | raw cold (R) | cold, prefixshare (A) | ratio (goal) | bypassed (A) | ratio in-process | added "
+        "| lookup (miss) | prefixshare's calls | store copy and rest |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in lengths:
         r = rows[str(n)]
         m = r["miss_overhead"]
         lines.append(f"| {n} | {_span(r['raw_cold_ttft_s'])} | {_span(r['cold_ttft_s'])} | {m['ratio']:.2f}× | "
-                     f"{_ms(m['added_s'])} | {_ms(m['lookup_s']) if m['lookup_s'] is not None else '–'} | "
+                     f"{_span(r['bypassed_cold_ttft_s'])} | {m['in_process_ratio']:.2f}× | {_ms(m['added_s'])} | "
+                     f"{_ms(m['lookup_s']) if m['lookup_s'] is not None else '–'} | "
                      f"{m['ours_s'] * 1e6:.0f} µs | {_ms(m['rest_s'])} |")
     return lines
 

@@ -15,7 +15,9 @@ Replicas (each a fresh process, :mod:`prefixshare.bench._replica`); documents ar
 multiple of the block and chunk sizes, so a load and a prefix-cache hit both leave exactly one token to compute:
 
 * **A** (server SA, empty fs store, prefixshare attached): per length, ``runs`` documents computed cold (P7's
-  numerator, and what B loads); then the P6 documents pre-warmed with :func:`prefixshare.warm.warm`;
+  numerator, and what B loads), each paired with another cold prompt of the same length that prefixshare is told
+  to leave alone (``prefixshare.load: never``, ``prefixshare.store: false``: P7's breakdown, in one process);
+  then the P6 documents pre-warmed with :func:`prefixshare.warm.warm`;
 * **R** (vLLM without prefixshare), right after A: the same documents computed cold (P1's and P7's raw
   baseline), then the P6 documents' exact tokens (P6's reference);
 * **B** (server SB on the same directory: another node): each document loaded from the store (P1/P2 warm,
@@ -54,7 +56,7 @@ from typing import Any
 from prefixshare.bench._micro import copy_path, fs_l2_io, machine, raw_io, runtime_overhead, summary
 from prefixshare.bench._procs import run_replica, throttled_store_spec
 from prefixshare.errors import PrefixShareError
-from prefixshare.keys import REQ_LOAD
+from prefixshare.keys import REQ_LOAD, REQ_STORE
 from prefixshare.server.plugins.integrity import payload_size
 
 #: the goals the project holds itself to; "max" goals are upper bounds, "min" lower bounds
@@ -295,9 +297,15 @@ class Bench:
         """A: cold with prefixshare attached (stores every document), then pre-warm."""
         s = self.s
         steps: list[dict[str, Any]] = [{"op": "generate", "ids": warmup, "tag": "warmup"}]
+        bypassed = {REQ_LOAD: "never", REQ_STORE: False}
         for n in s.lengths:
             for i, ids in enumerate(docs[n]):
-                steps.append({"op": "generate", "ids": ids, "tag": f"cold:{n}:{i}"})
+                # interleaved with a prompt of the same length that prefixshare is told to leave alone (no lookup,
+                # no store): the miss overhead measured in one process, the order alternating
+                pair = [{"op": "generate", "ids": ids, "tag": f"cold:{n}:{i}"},
+                        {"op": "generate", "ids": _ids("bypass", n + 1, i, s.seed), "tag": f"bypass:{n}:{i}",
+                         "params": bypassed}]
+                steps += pair if i % 2 == 0 else pair[::-1]
         for n in s.slow_lengths:
             for i, (doc_id, text) in enumerate(texts[n]):
                 steps.append({"op": "warm", "doc_id": doc_id, "text": text, "tag": f"prewarm:{n}:{i}"})
@@ -464,6 +472,7 @@ class Bench:
         s = self.s
         raw_cold = summary(self._series(r_steps, "rawcold", n))
         cold = summary(self._series(a_steps, "cold", n))
+        bypass = summary(self._series(a_steps, "bypass", n))
         warm = summary(self._series(b_steps, "warm", n))
         one = summary(self._series(b_steps, "floor", n))
         loaded = [b_steps[f"warm:{n}:{i}"]["num_cached_tokens"] for i in range(s.runs)]
@@ -478,7 +487,8 @@ class Bench:
             "speedup_cold_over_warm": cold["median"] / warm["median"],
             "one_token_ttft_s": one, "one_token_cached_tokens": floor_hits,
             "floor_s": floor, "warm_over_floor": warm["median"] / floor["total_s"],
-            "miss_overhead": _miss_overhead(cold, raw_cold, a_steps, n, s.runs, overhead[str(n)]),
+            "bypassed_cold_ttft_s": bypass,
+            "miss_overhead": _miss_overhead(cold, raw_cold, bypass, a_steps, n, s.runs, overhead[str(n)]),
             "io": io[str(n)],
             "overhead_us": overhead[str(n)],
             "overhead_pct_of_warm_ttft": overhead[str(n)]["total_us"] / 1e6 / warm["median"] * 100,
@@ -553,21 +563,35 @@ def _floor(kv_bytes: int, one_token_s: float, io: dict[str, Any], hashing: bool,
             "copy_gbps": copy_bw / 1e9}
 
 
-def _miss_overhead(cold: dict[str, Any], raw_cold: dict[str, Any], a_steps: dict[str, Any], n: int, runs: int,
-                   overhead: dict[str, Any]) -> dict[str, Any]:
-    """P7 at one length: cold TTFT with prefixshare / the raw engine's, and where the difference goes: the lookup
-    that missed (the connector's own timing of it), prefixshare's calls (P5, in-process), and the rest — the copy
-    of the KV into the server and anything else — by difference."""
+def _miss_overhead(cold: dict[str, Any], raw_cold: dict[str, Any], bypass: dict[str, Any], a_steps: dict[str, Any],
+                   n: int, runs: int, overhead: dict[str, Any]) -> dict[str, Any]:
+    """P7 at one length: cold TTFT with prefixshare / the raw engine's (another process, run after: the goal), and
+    the same against prompts of the same length that prefixshare left alone in the same process, interleaved
+    (``in_process_ratio``: what the lookup and the store copy add, without the drift between processes). The
+    in-process difference is split into the lookup that missed (the connector's own timing of it), prefixshare's
+    calls (P5, in-process) and the rest — the copy of the KV into the server and anything else — by difference."""
     lookups = []
     for i in range(runs):
         st = (a_steps.get(f"cold:{n}:{i}") or {}).get("stats") or {}
         if st.get("lookup_ms_last") is not None:
             lookups.append(st["lookup_ms_last"] / 1e3)
-    added = cold["median"] - raw_cold["median"]
+    pairs = [a_steps[f"cold:{n}:{i}"]["seconds"] - a_steps[f"bypass:{n}:{i}"]["seconds"] for i in range(runs)
+             if f"cold:{n}:{i}" in a_steps and f"bypass:{n}:{i}" in a_steps]
+    # what the bypassed requests did, from the connector's counters before and after each (must be nothing)
+    touched = {"lookups": 0, "tokens_stored": 0, "tokens_loaded": 0}
+    order = list(a_steps)
+    for i in range(runs):
+        tag = f"bypass:{n}:{i}"
+        before = a_steps[order[order.index(tag) - 1]].get("stats") or {}
+        after = a_steps[tag].get("stats") or {}
+        for key in touched:
+            touched[key] += (after.get(key) or 0) - (before.get(key) or 0)
+    added = statistics.median(pairs) if pairs else float("nan")
     lookup = statistics.median(lookups) if lookups else None
     ours = overhead["total_us"] / 1e6
-    return {"ratio": cold["median"] / raw_cold["median"], "added_s": added, "lookup_s": lookup, "ours_s": ours,
-            "rest_s": added - (lookup or 0.0) - ours, "lookup_values_s": lookups}
+    return {"ratio": cold["median"] / raw_cold["median"], "in_process_ratio": cold["median"] / bypass["median"],
+            "added_s": added, "added_values_s": pairs, "lookup_s": lookup, "ours_s": ours,
+            "rest_s": added - (lookup or 0.0) - ours, "lookup_values_s": lookups, "bypassed_did": touched}
 
 
 def _over_raw(io: dict[str, Any], src: str) -> dict[str, float]:

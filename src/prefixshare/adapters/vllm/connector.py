@@ -220,9 +220,11 @@ class SchedulerSide:
         tracker.num_vllm_hit_tokens = num_computed_tokens
         mode = self.runtime.load_mode(info)
         if mode == "never":
+            # No lookup (answered here: LMCache's answer to a bypassed tracker would be counted as a lookup that
+            # missed, and fed to the cost model as a 0 s lookup); the decision is recorded, not asked.
             tracker.state = _BYPASS
-            self.cost_before_lookup(request, tracker, num_computed_tokens, mode)  # recorded, not asked
-            return None
+            self.cost_before_lookup(request, tracker, num_computed_tokens, mode)
+            return 0, False
         if not self.runtime.store_available() or not self.server_ready():
             # The store is down (known, or found now): neither look up nor store (each would wait out the
             # timeout; a store RPC to a dead server blocks the engine step for two RPC timeouts).
