@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from e2e.common import CHUNK, policy_for
-from faults._common import WARMUP, gen, identical, run_steps
+from faults._common import WARMUP, added_latency, counters, gen, identical, row_counters, run_steps
 from faults._matrix import Row, record
 from prefixshare.server import LMCacheServer
 from prefixshare.server.plugins.integrity import verify_file
@@ -78,6 +78,7 @@ def damaged(work: Path, store: Path, foreign_store: Path, docs: dict[str, list[i
     copy = work / "damaged"
     shutil.copytree(store, copy)
     files = {n: chunk_file(copy, docs[n], DAMAGED_AT) for n in DAMAGE}
+    original = {n: p.read_bytes() for n, p in files.items()}
     a = files["a"]
     a.write_bytes(a.read_bytes()[: a.stat().st_size // 2])
     flip_bit(files["b"], 1000)
@@ -85,7 +86,11 @@ def damaged(work: Path, store: Path, foreign_store: Path, docs: dict[str, list[i
     d = files["d"]
     d.write_bytes(d.read_bytes()[:-48])  # the payload alone: what LMCache's plain fs adapter writes
     flip_bit(files["e"], files["e"].stat().st_size - 1)  # the last byte of the stored digest
-    return {"store": copy, "files": files}
+    # the damage happened: every file differs from what the writer stored, and its own check says so
+    changed = {n: files[n].read_bytes() != original[n] for n in DAMAGE}
+    verdicts = {n: verify_file(files[n]).verdict for n in DAMAGE}
+    assert all(changed.values()) and all(v != "ok" for v in verdicts.values()), (changed, verdicts)
+    return {"store": copy, "files": files, "verdicts_before_load": verdicts}
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +119,19 @@ def test_damaged_chunks_are_never_loaded_and_the_answer_is_the_cold_one(
     assert all(any(v in ln for v in verdicts) for ln in lines), lines
     for name, how in DAMAGE.items():
         got = reader["by_name"][name]
+        path = damaged["files"][name]
+        detected = sum(1 for ln in lines if path.name in ln)  # the server's line naming this chunk file
+        assert detected == 1, (how, path.name, lines)
+        c = counters(reader, name)
+        assert c["requests"] == 1, c
         record(Row(area="corruption", fault=f"one chunk {how}",
-                   behaviour="the 3 chunks before it loaded, the damaged one and the rest recomputed; chunk "
-                   "set aside (one log line) and a good copy stored by the recompute",
-                   requests=1, hits=1, fallbacks=1, identical_to_cold=True,
-                   max_added_latency_s=round(got["seconds"] - cold[name]["seconds"], 3), corrupt_detected=1,
-                   extra={"loaded_tokens": got["num_cached_tokens"]}))
+                   behaviour=f"the {DAMAGED_AT} chunks before it loaded, the damaged one and the rest recomputed; "
+                   "chunk set aside (one log line) and a good copy stored by the recompute",
+                   **row_counters(c), identical_to_cold=identical(got, cold[name]),
+                   max_added_latency_s=added_latency(got, cold[name], cold), corrupt_detected=detected,
+                   extra={"engine_cached_tokens": got["num_cached_tokens"],
+                          "verdict_before_load": damaged["verdicts_before_load"][name],
+                          "fallback_reasons": c["fallback_reasons"]}))
 
 
 def _json(cli: Any, *args: str) -> dict[str, Any]:
@@ -159,14 +171,19 @@ def test_doctor_lists_every_damaged_object_and_gc_removes_them(
     after = _json(cli, "doctor", "--policy", str(policy_file), "--verify")
     clean = next(c for c in after["checks"] if c["name"] == "integrity")
     assert clean["status"] == "ok" and clean["data"]["damaged"] == []
+    manifests = [k for k in kinds if k[0] == "manifest"]
+    chunks = [k for k in kinds if k[0] == "chunk"]
     record(Row(area="corruption", fault="a manifest edited by hand (kv dtype changed)", engine="none",
                behaviour="its checksum fails: never trusted, listed by doctor, removed by gc --verify; the next "
-               "replica of that fingerprint writes it again", corrupt_detected=1))
+               "replica of that fingerprint writes it again", corrupt_detected=len(manifests),
+               extra={"checksum_failures": sum("checksum" in r for _, r in manifests)}))
     record(Row(area="corruption", fault="chunks damaged on disk, never read since", engine="none",
                behaviour="doctor --verify reads every chunk and lists them (digest-mismatch); gc --verify "
                "removes them with the quarantined ones; doctor clean afterwards",
-               corrupt_detected=len(DAMAGE) + 2,
-               extra={"deleted_by_gc": len(gc["deleted"])}))
+               corrupt_detected=len(chunks),
+               extra={"digest_mismatch": kinds.count(("chunk", "digest-mismatch")),
+                      "quarantined": kinds.count(("chunk", "quarantined")), "deleted_by_gc": len(gc["deleted"]),
+                      "damaged_after_gc": len(clean["data"]["damaged"])}))
 
 
 def test_negative_control_without_integrity_checks_the_flip_is_loaded(
@@ -185,8 +202,10 @@ def test_negative_control_without_integrity_checks_the_flip_is_loaded(
         out = run_steps(work, "unchecked-reader", model, server.policy, [gen("b", docs["b"])])
     got = out["by_name"]["b"]
     assert got["num_cached_tokens"] >= 9 * CHUNK  # the damaged chunk was loaded as it is...
-    assert not identical(got, cold["b"])  # ...and the answer changed
+    same = identical(got, cold["b"])
+    assert not same  # ...and the answer changed
+    c = counters(out, "b")
     record(Row(area="corruption", fault="one chunk's values perturbed, tier with integrity: none (control)",
-               behaviour="loaded as it is and the answer changed: what the checks prevent", requests=1, hits=1,
-               identical_to_cold=False, extra={"loaded_tokens": got["num_cached_tokens"],
-                                               "wall_s": round(time.monotonic() - started, 1)}))
+               behaviour="loaded as it is and the answer changed: what the checks prevent", **row_counters(c),
+               identical_to_cold=same,  # (no latency: the replica's first request, untimed by design)
+               extra={"engine_cached_tokens": got["num_cached_tokens"], "wall_s": round(time.monotonic() - started, 1)}))
