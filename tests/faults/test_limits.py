@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from e2e.common import policy_for
-from faults._common import SLACK_S, WARMUP, added_latency, delta, gen, identical, pause, run_steps
+from faults._common import (SLACK_S, WARMUP, added_latency, counters, delta, gen, identical, log_since, pause,
+                            row_counters, run_steps)
 from faults._matrix import Row, record
 from prefixshare.server import LMCacheServer
 
@@ -32,6 +33,12 @@ L1_GB = 0.008  # 32 chunk buffers: ~3 documents (LMCache evicts above 80 % use, 
 TMPFS = "4m"  # ~1.5 documents
 T1 = {"prefixshare.tenant": "t1"}
 T2 = {"prefixshare.tenant": "t2"}
+
+
+def _l1_objects(status: dict[str, Any] | None) -> int | None:
+    """Objects in the server's L1 (its /status: one entry per L1 tag under storage_manager.l1_managers)."""
+    managers = ((status or {}).get("storage_manager") or {}).get("l1_managers")
+    return sum(int(m.get("total_object_count", 0)) for m in managers.values()) if managers else None
 
 
 def _tmpfs_launcher(directory: Path) -> list[str] | None:
@@ -49,17 +56,24 @@ class Servers:
         self.dir = root / "store"
         self.policy = policy_for(self.dir, l1={"size_gb": L1_GB}, admission={"all": [
             {"min_tokens": 256}, {"byte_budget": {"max": BUDGET_DOCS * DOC_BYTES + DOC_BYTES // 2, "per": "tenant"}}]})
-        self.server = LMCacheServer(self.policy).start()
+        self.server = LMCacheServer(self.policy)
+        self.log_offset = self.server.log_path.stat().st_size if self.server.log_path.exists() else 0
+        self.server.start()
         self.launcher = _tmpfs_launcher(self.dir)
 
     def status(self) -> dict[str, Any]:
-        log = self.server.log_path.read_text(errors="replace")
+        """What the current server logged since it started (counted), and its /status."""
+        log = log_since(self.server.log_path, self.log_offset)
         out: dict[str, Any] = {"alloc_failures": log.count("Failed to batched allocate"),
-                               "tracebacks": log.count("Traceback"), "enospc": log.count("No space left")}
+                               "evictions": log.count("triggering eviction"), "tracebacks": log.count("Traceback"),
+                               "enospc": sum(1 for ln in log.splitlines() if "No space left on device" in ln
+                                             or "Errno 28" in ln or "ENOSPC" in ln),
+                               "failed_stores": log.count("store.write_failed") + log.count("failed to store")}
         try:
             out.update(healthy=self.server.healthy(), status=self.server.status())
         except Exception as exc:  # noqa: BLE001
             out.update(healthy=False, error=str(exc))
+        out["l1_objects"] = _l1_objects(out.get("status"))
         return out
 
     def to_tmpfs(self) -> dict[str, Any]:
@@ -67,6 +81,7 @@ class Servers:
         self.server.stop()
         if self.launcher is None:
             return {"skipped": True, "phase_a": before}
+        self.log_offset = self.server.log_path.stat().st_size
         self.server = LMCacheServer(self.policy, launcher=self.launcher).start()
         import time
 
@@ -98,15 +113,14 @@ def run(work: Path, model: Path, docs: dict[str, list[int]], servers: Servers, c
                      {"status-a": servers.status, "tmpfs": servers.to_tmpfs, "status-b": servers.status})
 
 
-def _all_identical(run: dict[str, Any], cold: dict[str, Any], prefix: str) -> tuple[int, int, float]:
-    names = [n for n in run["by_name"] if n.startswith(prefix)]
-    worst, hits = 0.0, 0
-    for name in names:
-        got, doc = run["by_name"][name], name.split("-")[-1]
-        assert identical(got, cold[doc]), name
-        worst = max(worst, added_latency(got, cold[doc], cold))
-        hits += got["num_cached_tokens"] > 0
-    return len(names), hits, worst
+def _all_identical(run: dict[str, Any], cold: dict[str, Any], prefix: str) -> tuple[bool, float]:
+    """Every request whose name starts with ``prefix`` compared with the cold answer; (all identical, worst
+    added latency)."""
+    names = [n for n in run["by_name"] if n.startswith(prefix) and run["by_name"][n]["op"] == "generate"]
+    same = {n: identical(run["by_name"][n], cold[n.split("-")[-1]]) for n in names}
+    assert all(same.values()), same
+    worst = max(added_latency(run["by_name"][n], cold[n.split("-")[-1]], cold) for n in names)
+    return all(same.values()), worst
 
 
 def test_byte_budget_stops_admission_with_a_reason_and_serving_continues(
@@ -119,15 +133,17 @@ def test_byte_budget_stops_admission_with_a_reason_and_serving_continues(
     reasons = [e.get("reason", "") for e in run["events"] if e.get("event") == "request.finished"
                and not e.get("admitted")]
     assert any(r.startswith("byte_budget: tenant 't1'") for r in reasons), reasons
-    n, hits, worst = _all_identical(run, cold, "a1-")
-    n2, hits2, worst2 = _all_identical(run, cold, "a2-")
+    same, worst = _all_identical(run, cold, "a")
     assert [by[f"a2-{d}"]["num_cached_tokens"] > 0 for d in "de"] == [False, False]  # refused: never stored
+    c = counters(run, "a1-a", "a2-e")
+    assert c["requests"] == 10, c
     record(Row("resource limits", "the policy's byte budget runs out (per tenant: 3 documents of 5)",
                "documents past the budget are refused with the reason (byte_budget: tenant 't1' used+need > max) "
                "and recomputed on every request; admitted ones keep loading; outputs identical to cold",
-               requests=n + n2, hits=hits + hits2, fallbacks=0, identical_to_cold=True,
-               max_added_latency_s=max(worst, worst2), budget_s=servers.policy.load.timeout_s,
-               extra={"refused": refused, "reason_example": next(r for r in reasons if r.startswith("byte_budget"))}))
+               **row_counters(c), identical_to_cold=same, max_added_latency_s=worst,
+               budget_s=servers.policy.load.timeout_s,
+               extra={"refused": refused, "admitted": c["admitted"],
+                      "reason_example": next(r for r in reasons if r.startswith("byte_budget"))}))
 
 
 def test_l1_pressure_evicts_without_errors(run: dict[str, Any], cold: dict[str, Any], servers: Servers) -> None:
@@ -135,10 +151,13 @@ def test_l1_pressure_evicts_without_errors(run: dict[str, Any], cold: dict[str, 
     status = run["actions"]["status-a"]
     assert status["healthy"], status
     # every request completes with the cold answer; the server stays up; what reached L2 loads again
-    n1, _, worst1 = _all_identical(run, cold, "a1-")
-    n, hits, worst = _all_identical(run, cold, "a2-")
+    same, worst = _all_identical(run, cold, "a")
     assert by["a2-a"]["num_cached_tokens"] >= 0.9 * DOC  # the first document always fits
-    stored = len(list(servers.dir.glob("*@t-t1.data"))) // (DOC // 64)
+    l2_chunks = len(list(servers.dir.glob("*@t-t1.data")))
+    stored = l2_chunks // (DOC // 64)
+    # the fault happened: L1 ran over LMCache's watermark and its eviction loop evicted (it logs each round)
+    assert status["evictions"] > 0, {k: v for k, v in status.items() if k != "status"}
+    c = counters(run, "a1-a", "a2-e")
     record(Row("resource limits", f"L1 smaller than the working set (l1.size_gb {L1_GB}: ~3 of the 5 documents, "
                "stored and loaded back to back)",
                ("the server evicts (LRU, above 80 % use) and serves evicted documents from L2; no errors; "
@@ -146,10 +165,11 @@ def test_l1_pressure_evicts_without_errors(run: dict[str, Any], cold: dict[str, 
                 "no request fails and every answer is identical; but LMCache evicts only above 80 % use and once a "
                 "second, so a store that did not fit in the free L1 at that moment was dropped (\"Failed to batched "
                 "allocate\" in the server log) and that document is recomputed next time"),
-               requests=n1 + n, hits=hits, fallbacks=0, identical_to_cold=True, max_added_latency_s=max(worst, worst1),
+               **row_counters(c), identical_to_cold=same, max_added_latency_s=worst,
                budget_s=servers.policy.load.timeout_s,
-               extra={"documents_admitted": 3, "documents_in_l2": stored, "l1_alloc_failures": status["alloc_failures"],
-                      "server_tracebacks": status["tracebacks"]}))
+               extra={"requests_admitted": c["admitted"], "documents_in_l2": stored, "l2_chunks": l2_chunks,
+                      "l1_objects": status["l1_objects"], "evictions_logged": status["evictions"],
+                      "l1_alloc_failures": status["alloc_failures"], "server_tracebacks": status["tracebacks"]}))
 
 
 def test_full_filesystem_stops_writes_and_serving_continues(
@@ -157,16 +177,20 @@ def test_full_filesystem_stops_writes_and_serving_continues(
 ) -> None:
     if run["actions"]["tmpfs"].get("skipped"):
         pytest.skip("unshare --mount is not permitted here: no private tmpfs for the server")
-    assert run["actions"]["status-b"]["healthy"], run["actions"]["status-b"]
-    n, hits, worst = _all_identical(run, cold, "b")
+    status = run["actions"]["status-b"]
+    assert status["healthy"], status
+    # the fault happened: the server's L2 writes failed with ENOSPC (its log since the tmpfs server started)
+    assert status["enospc"] > 0, {k: v for k, v in status.items() if k != "status"}
+    same, worst = _all_identical(run, cold, "b")
     by = run["by_name"]
     stored_back = [by[f"b2-{d}"]["num_cached_tokens"] > 0 for d in "fghi"]
     assert not all(stored_back), stored_back  # 4 documents (10 MiB) cannot fit in 4 MiB
     budget = servers.policy.load.timeout_s
     assert worst <= budget + SLACK_S
+    c = counters(run, "b1-f", "b2-i")
     record(Row("resource limits", f"fs tier's filesystem full (a {TMPFS} tmpfs under the L2 directory)",
                "L2 writes fail with ENOSPC inside the server, which keeps serving; what is still in its L1 (or did "
                "fit in L2) keeps loading; everything else recomputes; outputs identical to cold",
-               requests=n, hits=hits, fallbacks=0, identical_to_cold=True, max_added_latency_s=worst,
-               budget_s=budget, extra={"loaded_on_second_ask": stored_back,
-                                       "server": {k: v for k, v in run["actions"]["status-b"].items() if k != "status"}}))
+               **row_counters(c), identical_to_cold=same, max_added_latency_s=worst,
+               budget_s=budget, extra={"enospc_logged": status["enospc"], "loaded_on_second_ask": stored_back,
+                                       "server": {k: v for k, v in status.items() if k != "status"}}))
