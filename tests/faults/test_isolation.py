@@ -4,7 +4,8 @@ store.
 
 One vLLM replica (tests/faults/_replica.py) warms a shared document (no tenant) and a tenant's document, then
 asks about both as several tenants, clearing its own prefix cache before each question so a hit can only
-come from the store. Answers are compared with a cold model (HF transformers).
+come from the store. Answers are compared with a cold vLLM engine's (no prefixshare) on the same token ids:
+greedy ids and logprobs, as every other engine row.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import typer
 from typer.testing import CliRunner
 
 from e2e.common import policy_for
-from faults._common import WARMUP, gen, hf_greedy, run_steps
+from faults._common import WARMUP, counters, gen, identical, row_counters, run_steps
 from faults._matrix import Row, record
 from prefixshare.server import LMCacheServer
 
@@ -79,9 +80,29 @@ def run(work: Path, model: Path, docs: dict[str, list[int]], server: LMCacheServ
     return run_steps(work, "isolation", model, server.policy, steps)
 
 
+@pytest.fixture(scope="module")
+def cold_prompts(work: Path, model: Path, docs: dict[str, list[int]], run: dict[str, Any]) -> dict[str, Any]:
+    """A cold engine (no prefixshare) answering every prompt the replica built with prompt_for."""
+    prompts = [gen(r["name"], r["prompt"]) for r in run["results"] if r["op"] == "prompt"]
+    return run_steps(work, "isolation-cold", model, None, [gen(WARMUP, docs[WARMUP], reset=False), *prompts])["by_name"]
+
+
+def _cold_for(name: str, cold: dict[str, Any], cold_prompts: dict[str, Any]) -> dict[str, Any]:
+    """The cold answer to a step: prompt_for's prompts from cold_prompts, the raw requests (document k) from the
+    suite's cold engine."""
+    return cold_prompts[name] if name in cold_prompts else cold["k" if name.startswith("raw-") else name]
+
+
+def _sum(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: sum(p[k] for p in parts) for k in ("requests", "hits", "fallbacks", "tokens_loaded")}
+    return out
+
+
 @pytest.mark.engine
 @pytest.mark.server
-def test_tenants_never_hit_each_other_including_warmed_documents(run: dict[str, Any], model: Path) -> None:
+def test_tenants_never_hit_each_other_including_warmed_documents(
+    run: dict[str, Any], cold: dict[str, Any], cold_prompts: dict[str, Any]
+) -> None:
     by = run["by_name"]
     for step in ("warm-shared", "warm-acme"):
         report = by[step]["report"]
@@ -96,29 +117,42 @@ def test_tenants_never_hit_each_other_including_warmed_documents(run: dict[str, 
             assert cached >= 576, cached
         else:
             assert cached == 0, (name, cached)  # another tenant's KV, or the first writer
-    prompts = [by[n]["prompt"] for n in prefix]
-    cold = hf_greedy(model, prompts, 8)
-    assert [by[n]["token_ids"] for n in prefix] == cold
+    same = {name: identical(by[name], _cold_for(name, cold, cold_prompts)) for name in hits}
+    assert all(same.values()), same
     cross = [n for n in hits if n not in own and n not in ("raw-acme", "raw-acme-again")]
+    c = counters(run, "plan-as-acme", "raw-acme-again")
+    assert c["requests"] == len(hits) and c["hits"] == len(own) + 1, c  # own documents and acme's raw request
+    # the fault is real: acme's KV is in the store (acme hits it), and the others asked for exactly that
+    present = {"acme_plan_hit": hits["plan-as-acme"] > 0, "acme_raw_hit": hits["raw-acme-again"] > 0}
+    assert all(present.values()), present
     record(Row("isolation and exposure", "two tenants (and untenanted requests) ask about each other's documents, "
                "warmed (prefixshare.warm tenant=...) or stored by requests",
-               "0 cross-tenant hits; each tenant hits its own documents; answers identical to a cold model",
-               requests=len(hits), hits=sum(1 for n in hits if hits[n] > 0), fallbacks=0, identical_to_cold=True,
-               extra={"cross_tenant_requests": len(cross), "cross_tenant_hits": 0}))
+               "0 cross-tenant hits; each tenant hits its own documents; answers identical to a cold engine",
+               **row_counters(c), identical_to_cold=all(same.values()),
+               extra={"cross_tenant_requests": len(cross),
+                      "cross_tenant_hits": sum(1 for n in cross if hits[n] > 0), **present}))
 
 
 @pytest.mark.engine
 @pytest.mark.server
-def test_a_shared_document_is_shared_only_with_untenanted_requests(run: dict[str, Any]) -> None:
+def test_a_shared_document_is_shared_only_with_untenanted_requests(
+    run: dict[str, Any], cold: dict[str, Any], cold_prompts: dict[str, Any]
+) -> None:
     """There is no per-document 'share with tenants' switch: a document warmed without a tenant lives in the
     untenanted namespace; a tenant's request salts its keys and never reads it (recorded as a known limit)."""
     by = run["by_name"]
+    names = [f"shared-as-{t}" for t in TENANTS]
     assert by["shared-as-None"]["num_cached_tokens"] > 0
     assert by["shared-as-acme"]["num_cached_tokens"] == 0 and by["shared-as-globex"]["num_cached_tokens"] == 0
+    same = all(identical(by[n], _cold_for(n, cold, cold_prompts)) for n in names)
+    assert same
+    c = _sum([counters(run, n) for n in names])
+    assert c["requests"] == len(names) and c["hits"] == 1, c
     record(Row("isolation and exposure", "a document warmed without a tenant (shared), asked by tenants",
                "served to untenanted requests only; tenant requests recompute it (explicit sharing of one document "
                "with tenants is not supported: no cross-tenant read is possible)",
-               requests=3, hits=1, fallbacks=0, identical_to_cold=True))
+               **row_counters(c), identical_to_cold=same,
+               extra={"cached_tokens": {n: by[n]["num_cached_tokens"] for n in names}}))
 
 
 def _modes(root: Path) -> list[tuple[str, str]]:
@@ -143,10 +177,11 @@ def test_store_files_and_manifests_are_not_world_readable(run: dict[str, Any], s
     exposed = [(p, m) for p, m in modes if int(m, 8) & 0o007]
     assert not exposed, exposed  # nothing for "others": no read, no write, no listing
     assert not int(oct(stat.S_IMODE(root.stat().st_mode)), 8) & 0o007
+    c = counters(run, run["results"][0]["name"], run["results"][-1]["name"])  # the requests that wrote the store
     record(Row("isolation and exposure", "local users other than the store's owner and group read the store",
                "every chunk file, manifest and registry record is 0640 (directories 0750): the MP server runs "
                "under umask 027, our own files are written 0640",
-               engine="none", extra={"files": len(modes), "chunk_modes": sorted(set(kinds["chunks"])),
+               **row_counters(c), extra={"files": len(modes), "exposed": len(exposed), "chunk_modes": sorted(set(kinds["chunks"])),
                                      "manifest_modes": sorted(set(kinds["manifests"])),
                                      "registry_modes": sorted(set(kinds["registry"]))}))
 
@@ -185,6 +220,12 @@ def test_nothing_read_from_shared_storage_is_unpickled(tmp_path: Path, cli: type
     for path in planted:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(payload)
+    # the planted payload is really hostile: unpickled (in a throwaway process) it runs its command
+    subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read())",
+                    str(planted[0])], check=False, capture_output=True, timeout=60)
+    ran_when_unpickled = marker.exists()
+    assert ran_when_unpickled, "the control unpickling did not run the payload"
+    marker.unlink()
     policy = policy_for(store)
     policy_file = tmp_path / "policy.yaml"
     policy_file.write_text(yaml.safe_dump(policy.to_dict()))
@@ -213,7 +254,9 @@ def test_nothing_read_from_shared_storage_is_unpickled(tmp_path: Path, cli: type
                "manifest directory and as a chunk file",
                "never unpickled: registry and manifest readers parse JSON only (the planted files are reported as "
                "unreadable), chunk files are never opened by inspect/gc; no pickle/eval/yaml.load in the package",
-               engine="none", extra={"exit_codes": outputs, "corrupt_records": len(records.corrupt)}))
+               engine="none", extra={"planted": len(planted), "payload_runs_when_unpickled": ran_when_unpickled,
+                                     "command_ran": marker.exists(), "exit_codes": outputs,
+                                     "corrupt_records": len(records.corrupt)}))
 
 
 # --- document ids cannot escape the store root ----------------------------------------------------------------
@@ -256,7 +299,7 @@ def test_document_ids_cannot_escape_the_store(tmp_path: Path) -> None:
                "over-long and bidi names (registry put/get, as warm and prompt_for use it)",
                "plain names are kept, every other id is stored under a digest name inside the registry; "
                "the id round-trips verbatim inside the JSON; nothing is written outside the store",
-               engine="none", requests=len(EVIL_IDS), extra={"ids": outcomes}))
+               engine="none", extra={"cases": len(EVIL_IDS), "ids": outcomes}))
 
 
 def test_warm_cli_and_prompt_for_with_hostile_ids(tmp_path: Path, cli: typer.Typer) -> None:
@@ -284,7 +327,7 @@ def test_warm_cli_and_prompt_for_with_hostile_ids(tmp_path: Path, cli: typer.Typ
     record(Row("isolation and exposure", "hostile document ids and paths given to warm (API and CLI)",
                "ids are kept as data (never joined to a path); a missing policy/document path fails with a "
                "clear message, no traceback; NUL/control characters, empty and over-long ids are refused by name",
-               engine="none", requests=len(EVIL_IDS) + 1, extra={"ids": outcomes}))
+               engine="none", extra={"cases": len(EVIL_IDS) + 1, "cli_exit": result.exit_code, "ids": outcomes}))
 
 
 @pytest.mark.engine
@@ -300,12 +343,16 @@ def test_the_engines_own_prefix_cache_is_a_timing_side_channel_unless_salted(
     leak, salted = by["local-globex"], by["local-globex-salted"]
     assert leak["num_cached_tokens"] >= 576, leak["num_cached_tokens"]  # blocks of acme's request, reused
     assert salted["num_cached_tokens"] == 0
-    assert leak["token_ids"] == cold["l"]["token_ids"] and salted["token_ids"] == cold["j"]["token_ids"]
+    same = identical(leak, cold["l"]) and identical(salted, cold["j"])
+    assert same
+    c = counters(run, "local-acme", "local-globex-salted")
+    assert c["requests"] == 4, c
     record(Row("isolation and exposure", "tenant B sends tenant A's prompt to the same engine right after A "
                "(engine prefix cache not cleared)",
                "the store is not read (tenant salt) but vLLM's own prefix cache serves B from A's blocks: a "
                "timing side channel (TTFT); closed by the tenant's salt as vLLM's cache_salt, which prompt_for "
                "sends (raw requests: cache_salt 't-<tenant>'); then 0 cached tokens",
-               requests=2, hits=1, identical_to_cold=True,
-               extra={"unsalted_cached_tokens": leak["num_cached_tokens"], "unsalted_s": round(leak["seconds"], 3),
-                      "salted_cached_tokens": 0, "salted_s": round(salted["seconds"], 3)}))
+               **row_counters(c), identical_to_cold=same,
+               extra={"prompt_tokens": leak["prompt_tokens"], "unsalted_cached_tokens": leak["num_cached_tokens"],
+                      "unsalted_s": round(leak["seconds"], 3), "salted_cached_tokens": salted["num_cached_tokens"],
+                      "salted_s": round(salted["seconds"], 3)}))
