@@ -1,10 +1,11 @@
 """Concurrency: two vLLM replicas behind two MP servers on one shared fs directory (two "nodes" on one NFS
 share) warm the same documents at the same moment, then ask about them at the same moment.
 
-No torn reads (every answer equals a cold model's: a half-written chunk would change it), no corruption from
-duplicate writes (every chunk file has the one right size, no temporary file is left), and the registry is
-consistent afterwards: ``prefixshare inspect`` lists every document complete and ``doctor`` finds nothing wrong
-with the store.
+No torn reads (every answer equals a cold vLLM engine's, greedy ids and logprobs: a half-written chunk would
+change it), no corruption from duplicate writes (every chunk file has the one right size, no temporary file is
+left), and the registry is consistent afterwards: ``prefixshare inspect`` lists every document complete and
+``doctor`` finds nothing wrong with the store. The test checks that the race really happened: both warms ran
+at the same time (wall clock) and both servers wrote the chunks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import yaml
 from typer.testing import CliRunner
 
 from e2e.common import policy_for
-from faults._common import WARMUP, gen, hf_greedy, pause, run_steps
+from faults._common import WARMUP, counters, gen, identical, pause, row_counters, run_steps
 from faults._matrix import Row, record
 from prefixshare.server import LMCacheServer
 
@@ -70,23 +71,44 @@ def runs(work: Path, model: Path, docs: dict[str, list[int]], servers: list[LMCa
     return [h.result() for h in handles]
 
 
-def test_concurrent_warm_and_reads_answer_like_a_cold_model(runs: list[dict[str, Any]], model: Path,
-                                                            work: Path) -> None:
+def _overlap_s(runs: list[dict[str, Any]], step: str) -> float:
+    """How long the two replicas ran ``step`` at the same time (wall clock; <= 0: one after the other)."""
+    spans = [(r["by_name"][step]["started_at"], r["by_name"][step]["ended_at"]) for r in runs]
+    return round(min(e for _, e in spans) - max(s for s, _ in spans), 3)
+
+
+@pytest.fixture(scope="module")
+def cold_prompts(work: Path, model: Path, docs: dict[str, list[int]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A cold engine (no prefixshare) answering every prompt the replicas built (the same on both nodes)."""
+    prompts = [gen(r["name"], r["prompt"]) for r in runs[0]["results"] if r["op"] == "prompt"]
+    assert [p["ids"] for p in prompts] == [r["prompt"] for r in runs[1]["results"] if r["op"] == "prompt"]
+    return run_steps(work, "cold-prompts", model, None, [gen(WARMUP, docs[WARMUP], reset=False), *prompts])["by_name"]
+
+
+def test_concurrent_warm_and_reads_answer_like_a_cold_model(runs: list[dict[str, Any]],
+                                                            cold_prompts: dict[str, Any]) -> None:
     reports = [r["by_name"]["warm"] for r in runs]
     assert all("error" not in rep for rep in reports), reports
     statuses = [[d["status"] for d in rep["report"]["documents"]] for rep in reports]
     assert all(s in ("warmed", "skipped") for ss in statuses for s in ss), statuses
+    # the fault happened: both warms (and both rounds of questions) ran at the same time
+    overlap = {"warm": _overlap_s(runs, "warm"), "ask": _overlap_s(runs, f"{NAMES[0]}-0")}
+    assert overlap["warm"] > 0 and overlap["ask"] > 0, overlap
     answers = [(name, r["by_name"][name]) for r in runs for name in r["by_name"] if name.endswith(("-0", "-1"))]
-    cold = hf_greedy(model, [a["prompt"] for _, a in answers], 8)
-    assert [a["token_ids"] for _, a in answers] == cold
+    same = [identical(a, cold_prompts[name]) for name, a in answers]
+    assert all(same), [n for (n, _), ok in zip(answers, same) if not ok]
     loaded = [a["num_cached_tokens"] >= a["prefix_tokens"] // 64 * 64 for _, a in answers]
     assert all(loaded), [(n, a["num_cached_tokens"], a["prefix_tokens"]) for n, a in answers]
-    overlap = [r["actions"] for r in runs]
+    first, last = f"{NAMES[0]}-0", f"{NAMES[-1]}-{len(QUESTIONS) - 1}"
+    per_node = [counters(r, first, last) for r in runs]
+    c = {k: sum(n[k] for n in per_node) for k in ("requests", "hits", "fallbacks", "tokens_loaded")}
+    assert c["requests"] == len(answers), c
     record(Row("concurrency", "two replicas behind two MP servers on one fs directory warm the same 3 documents "
                "at the same moment, then ask 2 questions each about them at the same moment",
-               "every question loads its document's prefix; no torn read (answers identical to a cold model)",
-               requests=len(answers), hits=sum(loaded), fallbacks=0, identical_to_cold=True,
-               extra={"warm_statuses": statuses, "barriers": len(overlap)}))
+               "every question loads its document's prefix; no torn read (answers identical to a cold engine)",
+               **row_counters(c), identical_to_cold=all(same),
+               extra={"warm_statuses": statuses, "overlap_s": overlap,
+                      "warm_tokens_stored": [counters(r, "warm")["tokens_stored"] for r in runs]}))
 
 
 def test_the_store_is_consistent_afterwards(runs: list[dict[str, Any]], servers: list[LMCacheServer], work: Path,
@@ -111,9 +133,15 @@ def test_the_store_is_consistent_afterwards(runs: list[dict[str, Any]], servers:
     store_checks = {n: c for n, c in checks.items() if n not in ("telemetry", "versions")}
     bad = {n: c for n, c in store_checks.items() if c["status"] not in ("ok", "info", "skip", "skipped")}
     assert store_checks and not bad, bad
+    per_node = [counters(r, "warm") for r in runs]
+    # the fault happened: both servers wrote the documents' chunks (duplicate writes to the same files)
+    assert all(w["tokens_stored"] > 0 for w in per_node), per_node
+    warm = {k: sum(w[k] for w in per_node) for k in ("requests", "hits", "fallbacks", "tokens_loaded")}
     record(Row("concurrency", "the registry and chunk files after the concurrent warm (duplicate writes of "
                "every chunk by two servers)",
                "one record per document, all complete (inspect); doctor clean; every chunk file whole, no "
                "temporary file left",
-               engine="none", requests=0, identical_to_cold=None,
-               extra={"chunk_files": len(data), "doctor": {n: c["status"] for n, c in checks.items()}}))
+               **row_counters(warm),  # the two engines' warm requests that wrote what is checked here
+               extra={"chunk_files": len(data), "chunk_sizes": len(sizes), "leftover_tmp": len(leftovers),
+                      "documents": len(docs), "warm_tokens_stored": [w["tokens_stored"] for w in per_node],
+                      "doctor": {n: c["status"] for n, c in checks.items()}}))
