@@ -231,7 +231,9 @@ def test_warm_on_redis_is_checked_by_the_server_and_the_check_can_fail(
         policy_file = write_policy_file(work / "policy-redis.yaml", srv.policy)
         script = work / "resp_warm.py"
         script.write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
-                          "from e2e.test_warm_e2e import _resp_warm_main\n_resp_warm_main(sys.argv[1])\n")
+                          "from e2e.test_warm_e2e import _resp_warm_main\n"
+                          "if __name__ == '__main__':  # (a spawned child process imports it again)\n"
+                          "    _resp_warm_main(sys.argv[1])\n")
         spec = {"model": str(model), "policy_file": str(policy_file), "instance": f"warm-redis-{os.getpid()}",
                 "redis_port": redis["port"], "http_url": srv.http_url, "chunk": CHUNK,
                 "docs": {"alpha": document_text(600, seed=41), "beta": document_text(400, seed=42)}}
