@@ -6,12 +6,18 @@ request), is refused an over-long document, and asks questions built by prompt_f
 is loaded from the store on its first question (SGLang reports storage hits), and the greedy ids and logprobs
 equal a cold SGLang engine's. Negative control: the same question under another tenant loads nothing.
 SGLang runs with the test-only ``sgl_kernel`` stand-in from tests/shims.
+
+The MP server's lookup (what warm asks on stores without a directory) checks an SGLang warm too: keys under
+SGLang's registration; negative control: the chunk files deleted and the server's memory cleared between
+the prefill and the check fail it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,3 +141,68 @@ def test_another_tenant_does_not_load_the_warmed_document(replica: dict[str, Any
     foreign = replica["foreign"]
     assert foreign["storage_tokens"] == 0 and foreign["cached"] == 0, foreign  # other salt: no store, no local hit
     assert foreign["token_ids"] == cold[0]["token_ids"]
+
+
+def _server_check_main(spec_path: str) -> None:
+    """The SGLang replica of test_the_servers_lookup_checks_an_sglang_warm, in its own process."""
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    import httpx
+
+    from prefixshare import PrefixShare
+    from prefixshare.warm import warm
+
+    spec = json.loads(Path(spec_path).read_text())
+    store, http_url = Path(spec["store"]), spec["http_url"]
+    ps = PrefixShare(spec["policy_file"], server=False, instance=spec["instance"])
+    engine = ps.attach({"model_path": spec["model"], "device": "cpu", "attention_backend": "torch_native",
+                        "disable_cuda_graph": True, "page_size": 16, "dtype": "float32", "mem_fraction_static": 0.3,
+                        "max_total_tokens": 16384, "context_length": 2048, "log_level": "warning", "random_seed": 0},
+                       engine_type="sglang")
+    out: dict[str, Any] = {"held": warm(ps, {"delta": spec["docs"]["delta"]}, engine, verify="server",
+                                        strict=False).to_dict()}
+    before = {f.name for f in store.glob("*.data")}
+
+    def lose_them(progress: Any) -> None:
+        if progress.phase != "verify":
+            return
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the server's writes of the prefill are done
+            sc = httpx.get(http_url + "/status", timeout=5).json()["storage_manager"]["store_controller"]
+            if sc["pending_keys_count"] == 0 and sc["in_flight_task_count"] == 0:
+                break
+            time.sleep(0.05)
+        new = [f for f in store.glob("*.data") if f.name not in before]
+        out["deleted_files"] = len(new)
+        for f in new:
+            f.unlink()
+        out["clear_l1"] = httpx.post(http_url + "/cache/clear", json={"tier": "l1"}, timeout=10).json()
+
+    out["lost"] = warm(ps, {"epsilon": spec["docs"]["epsilon"]}, engine, verify="server", verify_timeout_s=3.0,
+                       strict=False, progress=lose_them).to_dict()
+    sys.stdout.write("RESULT " + json.dumps(out) + "\n")
+    sys.stdout.flush()
+    engine.shutdown()
+    os._exit(0)
+
+
+def test_the_servers_lookup_checks_an_sglang_warm(work: Path, model: Path, server: LMCacheServer,
+                                                   policy_file: Path) -> None:
+    from prefixshare.model import document_text
+
+    script = work / "server_check.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
+                      "from e2e.test_sglang_warm import _server_check_main\n"
+                      "if __name__ == '__main__':  # SGLang spawns its scheduler, which imports this again\n"
+                      "    _server_check_main(sys.argv[1])\n")
+    spec = {"model": str(model), "policy_file": str(policy_file), "instance": f"sgl-server-check-{os.getpid()}",
+            "store": str(work / "store"), "http_url": server.http_url,
+            "docs": {"delta": document_text(500, seed=51), "epsilon": document_text(400, seed=52)}}
+    out, _ = run_helper(work, "sgl-server-check", script, spec, env=SHIM_ENV)
+    (work / "sgl-server-check.result.json").write_text(json.dumps(out, indent=1))
+    held = out["held"]["documents"][0]
+    assert out["held"]["verification"] == "server" and out["held"]["engine"] == "sglang"
+    assert held["status"] == "warmed" and held["verified"] is True and held["verified_by"] == "server", held
+    lost = out["lost"]["documents"][0]
+    assert out["deleted_files"] == lost["chunks"] > 0 and out["clear_l1"]["status"] == "ok", out
+    assert lost["status"] == "failed" and lost["verified"] is False and lost["verified_by"] == "server", lost
+    assert f"holds 0 of the {lost['chunks']} objects" in lost["reason"]
