@@ -22,6 +22,7 @@ import pytest
 
 from conftest import free_port, run_mp_client
 from e2e.common import document_ids, policy_for, run_replica, same_output
+from faults._common import process_state
 from faults._matrix import Row, record
 from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
@@ -98,7 +99,8 @@ def test_vllm_replicas_on_two_nodes_share_through_redis_and_survive_its_death(
     node2_policy = tier_policy("resp", redis["port"], chunk_size=64, load={"timeout_s": 2.0})
     with LMCacheServer(node2_policy) as node2:
         pid = redis["proc"].pid
-        out = run_replica(tmp_path, "b", model, node2.policy,
+        # (instance names are unique in this module: the counters are read by instance from one run dir)
+        out = run_replica(tmp_path, "b-redis", model, node2.policy,
                           [{"prompt_token_ids": doc}, {"prompt_token_ids": second}, {"prompt_token_ids": third}],
                           kill_before={"1": pid})
     b_doc, b_second, b_third = out["results"]
@@ -111,13 +113,26 @@ def test_vllm_replicas_on_two_nodes_share_through_redis_and_survive_its_death(
     assert b_third["seconds"] <= cold_third["seconds"] + 1.0, (b_third["seconds"], cold_third["seconds"])
     print(f"FIGURES redis-killed: cold {cold_second['seconds']:.3f}s -> {b_second['seconds']:.3f}s, "
           f"next {cold_third['seconds']:.3f}s -> {b_third['seconds']:.3f}s")
+    # the row's counters: the connector's, minus the request before the kill (a hit, no fallback)
+    stats = out["stats"]
+    assert stats["hits"] >= 1 and redis["proc"].poll() is not None  # the fault happened: Redis is gone
+    during = _after_first(stats, b_doc)
     record(Row("store down", "Redis (resp tier) killed between two requests; two MP servers as two nodes",
-               "the first request after it recomputes (its lookup fails as a miss), the next skips the tier "
-               "(health gate: PING probe); answers identical to cold", tier="resp", requests=2, hits=0,
-               fallbacks=sum(1 for r in (b_second, b_third) if r["num_cached_tokens"] == 0), identical_to_cold=True,
+               "every request after it recomputes (the tier's lookups fail as misses, not counted as fallbacks, "
+               "and cost no timeout); answers identical to cold", tier="resp", **during,
+               identical_to_cold=same_output(b_second, cold_second) and same_output(b_third, cold_third),
                max_added_latency_s=round(max(b_second["seconds"] - cold_second["seconds"],
                                              b_third["seconds"] - cold_third["seconds"]), 3),
-               budget_s=policy.load.timeout_s, extra={"hit_before_the_kill_tokens": b_doc["num_cached_tokens"]}))
+               budget_s=node2_policy.load.timeout_s,
+               extra={"hit_before_the_kill_tokens": b_doc["num_cached_tokens"],
+                      "fallback_reasons": stats["fallbacks"], "redis_exit_status": redis["proc"].poll()}))
+
+
+def _after_first(stats: dict[str, Any], first: dict[str, Any]) -> dict[str, Any]:
+    """A replica's final counters without its first request (served before the fault: a hit, no fallback)."""
+    return {"requests": stats["requests"] - 1, "hits": stats["hits"] - (1 if first["num_cached_tokens"] else 0),
+            "fallbacks": sum(stats["fallbacks"].values()),
+            "tokens_loaded": stats["tokens_loaded"] - first["num_cached_tokens"]}
 
 
 @pytest.mark.engine
@@ -152,25 +167,40 @@ def test_a_frozen_redis_costs_at_most_the_timeout(tmp_path: Path, redis: dict[st
     model = create_model(tmp_path / "m", shape="tiny", seed=0)
     first, second = (document_ids(model, seed, 600) for seed in (31, 32))
     cold = run_replica(tmp_path, "cold", model, None, [{"prompt_token_ids": first}, {"prompt_token_ids": second}])
-    with LMCacheServer(tier_policy("resp", redis["port"], chunk_size=64, load={"timeout_s": 2.0})) as node:
+    policy = tier_policy("resp", redis["port"], chunk_size=64, load={"timeout_s": 2.0})
+    with LMCacheServer(policy) as node:
         redis["proc"].send_signal(signal.SIGSTOP)  # frozen: connections open, nothing answers
         try:
+            deadline = time.monotonic() + 5.0  # the stop is delivered asynchronously
+            while (state := process_state(redis["proc"].pid)) != "T" and time.monotonic() < deadline:
+                time.sleep(0.01)
             out = run_replica(tmp_path, "frozen", model, node.policy,
                               [{"prompt_token_ids": first}, {"prompt_token_ids": second}])
+            still = process_state(redis["proc"].pid)
         finally:
             redis["proc"].send_signal(signal.SIGCONT)
+    assert state == still == "T", (state, still)  # the fault held for the whole run
     for got, want in zip(out["results"], cold["results"], strict=True):
         assert same_output(got, want) and got["num_cached_tokens"] == 0
     assert out["results"][0]["seconds"] <= cold["results"][0]["seconds"] + 2.0 + 5.0
     print("FIGURES redis-frozen: " + ", ".join(
         f"cold {w['seconds']:.3f}s -> {g['seconds']:.3f}s" for g, w in zip(out["results"], cold["results"], strict=True)))
     added = [g["seconds"] - w["seconds"] for g, w in zip(out["results"], cold["results"], strict=True)]
+    # "then skipped": the second request did not look the frozen tier up (the health gate's store_down), and
+    # the connector said why
+    stats = out["stats"]
+    assert stats["fallbacks"].get("store_down", 0) >= 1, stats["fallbacks"]
+    down = [e for e in out["events"] if e.get("event") == "store.down"]
+    assert down and all("resp" in str(e.get("probe")) for e in down), down
     record(Row("store down", "Redis (resp tier) frozen (SIGSTOP: connections open, nothing answers)",
                "the first request waits out its lookup (load timeout) and recomputes; the tier is then skipped "
                "(a PING probe tells frozen from alive); answers identical to cold", tier="resp",
-               requests=len(added), hits=0, fallbacks=len(added), identical_to_cold=True,
-               max_added_latency_s=round(max(added), 3), budget_s=2.0,
-               extra={"added_s": [round(a, 3) for a in added]}))
+               requests=stats["requests"], hits=stats["hits"], fallbacks=sum(stats["fallbacks"].values()),
+               tokens_loaded=stats["tokens_loaded"],
+               identical_to_cold=all(same_output(g, w) for g, w in zip(out["results"], cold["results"], strict=True)),
+               max_added_latency_s=round(max(added), 3), budget_s=policy.load.timeout_s,
+               extra={"added_s": [round(a, 3) for a in added], "fallback_reasons": stats["fallbacks"],
+                      "redis_state_during": state, "store_down_probe": down[0].get("probe")}))
 
 
 def test_tier_probes_tell_alive_frozen_and_dead_apart(redis: dict[str, Any], tmp_path: Path) -> None:
@@ -419,8 +449,9 @@ def test_vllm_replicas_on_two_nodes_share_through_mooncake_and_survive_its_maste
     cold = run_replica(tmp_path, "cold", model, None, [{"prompt_token_ids": p} for p in docs])["results"]
     with LMCacheServer(mooncake_policy(mooncake, chunk_size=64, load={"timeout_s": 2.0})) as node1:
         run_replica(tmp_path, "a", model, node1.policy, [{"prompt_token_ids": docs[0]}])
-    with LMCacheServer(mooncake_policy(mooncake, chunk_size=64, load={"timeout_s": 2.0})) as node2:
-        out = run_replica(tmp_path, "b", model, node2.policy, [{"prompt_token_ids": p} for p in docs],
+    node2_policy = mooncake_policy(mooncake, chunk_size=64, load={"timeout_s": 2.0})
+    with LMCacheServer(node2_policy) as node2:
+        out = run_replica(tmp_path, "b-mooncake", model, node2.policy, [{"prompt_token_ids": p} for p in docs],
                           kill_before={"1": mooncake["master"].pid})
     b = out["results"]
     assert b[0]["num_cached_tokens"] >= 576 and same_output(b[0], cold[0])  # through Mooncake, from node 1
@@ -437,11 +468,15 @@ def test_vllm_replicas_on_two_nodes_share_through_mooncake_and_survive_its_maste
         cold[0]["seconds"], b[0]["seconds"]) + ", ".join(
         f"cold {w['seconds']:.3f}s -> {g['seconds']:.3f}s" for g, w in zip(b[1:], cold[1:], strict=True)))
     added = [g["seconds"] - w["seconds"] for g, w in zip(b[1:], cold[1:], strict=True)]
+    during = _after_first(out["stats"], b[0])
+    assert mooncake["master"].poll() is not None  # the fault happened: the master is gone
     record(Row("store down", "Mooncake master killed between requests; two MP servers as two nodes",
                "recompute, answers identical to cold; one lookup outlives the load timeout (Mooncake's client "
-               "retries ~4 s), then the health gate skips the tier", tier="mooncake_store", requests=len(added),
-               hits=0, fallbacks=len(added), identical_to_cold=True, max_added_latency_s=round(max(added), 3),
-               budget_s=2.0, extra={"added_s": [round(a, 3) for a in added]}))
+               "retries ~4 s), then the health gate skips the tier", tier="mooncake_store", **during,
+               identical_to_cold=all(same_output(g, w) for g, w in zip(b[1:], cold[1:], strict=True)),
+               max_added_latency_s=round(max(added), 3), budget_s=node2_policy.load.timeout_s,
+               extra={"added_s": [round(a, 3) for a in added], "fallback_reasons": out["stats"]["fallbacks"],
+                      "master_exit_status": mooncake["master"].poll()}))
 
 
 # --- Throughput of every tier (`prefixshare bench --tiers`) ------------------------------------------------

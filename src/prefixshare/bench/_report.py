@@ -42,11 +42,20 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    rows = results["per_length"]
-    lengths = sorted(int(n) for n in rows)
     label = f"{results['model']['shape']} shape; {results['machine']['cpu']}, {results['machine']['cores']} cores"
     paths = []
+    for draw, name in ((_plot_ttft, "ttft.png"), (_plot_store, "store.png"), (_plot_sweep, "sweep.png")):
+        fig = draw(plt, results, label)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        paths.append(str(out / name))
+    return paths
 
+
+def _plot_ttft(plt: Any, results: dict[str, Any], label: str) -> Any:
+    rows = results["per_length"]
+    lengths = sorted(int(n) for n in rows)
     fig, ax = plt.subplots(figsize=(8, 5))
     series = [
         ("cold, raw engine (no prefixshare)", "raw_cold_ttft_s", "o-"),
@@ -75,12 +84,12 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     ax.set_title(f"prefixshare: TTFT per prompt length\n{label}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "ttft.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    paths.append(str(path))
+    return fig
 
+
+def _plot_store(plt: Any, results: dict[str, Any], label: str) -> Any:
+    rows = results["per_length"]
+    lengths = sorted(int(n) for n in rows)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     kinds = [("write", "write_gbps"), ("read, cache", "read_warm_gbps"), ("read, evicted", "read_evicted_gbps")]
     sources = (("raw", "tab:gray", "raw sequential"), ("fs_l2_plain", "tab:orange", "LMCache fs adapter"),
@@ -96,12 +105,10 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     ax.set_title(f"store medium: fs tier adapters vs raw sequential I/O\n{label}", fontsize=10)
     ax.legend(fontsize=6, ncol=3)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = out / "store.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    paths.append(str(path))
+    return fig
 
+
+def _plot_sweep(plt: Any, results: dict[str, Any], label: str) -> Any:
     sweep = results["sweep"]["per_length"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for n_key, d in sorted(sweep.items(), key=lambda kv: int(kv[0])):
@@ -125,12 +132,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=7)
     fig.suptitle(f"P4: load or recompute around break-even (throttled store)\n{label}", fontsize=10)
-    fig.tight_layout()
-    path = out / "sweep.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    paths.append(str(path))
-    return paths
+    return fig
 
 
 #: P4's goal, drawn in the sweep plot

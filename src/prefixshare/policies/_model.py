@@ -49,7 +49,7 @@ class ServerSettings(BaseModel):
     transfer_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "auto"
     shm_name: str | None = Field(
         "auto", description="shared memory between the node's engines and the server (the server's L1 lives in "
-        "it; KV is copied in place instead of pickled through the socket, 4-7x faster loads): 'auto' = a segment "
+        "it; KV is copied in place instead of pickled through the socket): 'auto' = a segment "
         "named after the port, turned off with a warning when /dev/shm cannot hold l1.size_gb; a name; or null "
         "(off)")
     #: blake3 and sha256_cbor are deterministic across processes; 'builtin' (Python hash) is not.
