@@ -276,4 +276,5 @@ def _print_report(report: Any) -> None:
     t = report.totals()
     out.print(f"{t['warmed']} warmed, {t['skipped']} already warm, {t['too_short']} too short, "
               f"{t['failed']} not warmed; {t['warmed_tokens']:,} tokens ({human_size(t['warmed_bytes'])}) written "
-              f"in {report.seconds:.1f} s")
+              f"in {report.seconds:.1f} s; {t.get('verified', 0)} verified in the store, {t.get('unverified', 0)} "
+              "unverified")
