@@ -56,6 +56,14 @@ def run_replica(tmp: Path, name: str, model: Path, policy: Policy | None, reques
     return result
 
 
+def entry_script(path: Path, module: str, function: str) -> Path:
+    """A script that runs ``module.function(sys.argv[1])`` with tests/ on the path, under a main guard (SGLang's
+    scheduler and spawned children import the script again)."""
+    path.write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nfrom {module} import {function}\n"
+                    f"if __name__ == '__main__':\n    {function}(sys.argv[1])\n")
+    return path
+
+
 def write_documents(folder: Path, sizes: dict[str, int], first_seed: int = 20) -> Path:
     """One generated text file per ``{name: tokens}``, seeds counting up from ``first_seed``."""
     from prefixshare.model import document_text

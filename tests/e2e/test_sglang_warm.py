@@ -29,6 +29,7 @@ from e2e.common import (
     CHUNK,
     SHIM_ENV,
     cli_json,
+    entry_script,
     policy_for,
     run_helper,
     run_replica,
@@ -189,11 +190,7 @@ def test_the_servers_lookup_checks_an_sglang_warm(work: Path, model: Path, serve
                                                    policy_file: Path) -> None:
     from prefixshare.model import document_text
 
-    script = work / "server_check.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
-                      "from e2e.test_sglang_warm import _server_check_main\n"
-                      "if __name__ == '__main__':  # SGLang spawns its scheduler, which imports this again\n"
-                      "    _server_check_main(sys.argv[1])\n")
+    script = entry_script(work / "server_check.py", "e2e.test_sglang_warm", "_server_check_main")
     spec = {"model": str(model), "policy_file": str(policy_file), "instance": f"sgl-server-check-{os.getpid()}",
             "store": str(work / "store"), "http_url": server.http_url,
             "docs": {"delta": document_text(500, seed=51), "epsilon": document_text(400, seed=52)}}

@@ -28,7 +28,7 @@ import typer
 from typer.testing import CliRunner
 
 from conftest import TESTS, free_port
-from e2e.common import cli_json, hf_greedy, run_helper, write_documents, write_policy_file
+from e2e.common import cli_json, entry_script, hf_greedy, run_helper, write_documents, write_policy_file
 from e2e.test_tiers import redis, tier_policy  # noqa: F401 - redis: a real redis-server on loopback (a fixture)
 from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
@@ -229,11 +229,7 @@ def test_warm_on_redis_is_checked_by_the_server_and_the_check_can_fail(
     policy = tier_policy("resp", redis["port"], chunk_size=CHUNK)
     with LMCacheServer(policy) as srv:
         policy_file = write_policy_file(work / "policy-redis.yaml", srv.policy)
-        script = work / "resp_warm.py"
-        script.write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
-                          "from e2e.test_warm_e2e import _resp_warm_main\n"
-                          "if __name__ == '__main__':  # (a spawned child process imports it again)\n"
-                          "    _resp_warm_main(sys.argv[1])\n")
+        script = entry_script(work / "resp_warm.py", "e2e.test_warm_e2e", "_resp_warm_main")
         spec = {"model": str(model), "policy_file": str(policy_file), "instance": f"warm-redis-{os.getpid()}",
                 "redis_port": redis["port"], "http_url": srv.http_url, "chunk": CHUNK,
                 "docs": {"alpha": document_text(600, seed=41), "beta": document_text(400, seed=42)}}
