@@ -22,7 +22,7 @@ import pytest
 
 from conftest import free_port, run_mp_client
 from e2e.common import document_ids, policy_for, run_replica, same_output
-from faults._common import process_state
+from faults._common import process_state, wait_state
 from faults._matrix import Row, record
 from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
@@ -171,9 +171,7 @@ def test_a_frozen_redis_costs_at_most_the_timeout(tmp_path: Path, redis: dict[st
     with LMCacheServer(policy) as node:
         redis["proc"].send_signal(signal.SIGSTOP)  # frozen: connections open, nothing answers
         try:
-            deadline = time.monotonic() + 5.0  # the stop is delivered asynchronously
-            while (state := process_state(redis["proc"].pid)) != "T" and time.monotonic() < deadline:
-                time.sleep(0.01)
+            state = wait_state(redis["proc"].pid, "T", 5.0)
             out = run_replica(tmp_path, "frozen", model, node.policy,
                               [{"prompt_token_ids": first}, {"prompt_token_ids": second}])
             still = process_state(redis["proc"].pid)

@@ -145,6 +145,15 @@ def process_state(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
+def wait_state(pid: int, state: str, timeout_s: float) -> str | None:
+    """Poll :func:`process_state` until it is ``state`` (a signal is delivered asynchronously) or ``timeout_s``
+    passed; returns the last state seen."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := process_state(pid)) != state and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return seen
+
+
 def identical(got: dict[str, Any], cold: dict[str, Any]) -> bool:
     return same_output(got, cold)
 

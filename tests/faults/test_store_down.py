@@ -21,7 +21,7 @@ import pytest
 
 from e2e.common import policy_for
 from faults._common import (SLACK_S, WARMUP, added_latency, counters, gen, identical, log_since, pause, process_state,
-                            row_counters, run_steps)
+                            row_counters, run_steps, wait_state)
 from faults._matrix import Row, record
 from prefixshare.server import LMCacheServer
 
@@ -64,10 +64,7 @@ class Store:
         assert self.server.process is not None
         pid = self.server.process.pid
         os.killpg(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 2.0
-        while process_state(pid) != "T" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return {"pid": pid, "proc_state": process_state(pid), "healthy": self.server.healthy(timeout=0.3)}
+        return {"pid": pid, "proc_state": wait_state(pid, "T", 2.0), "healthy": self.server.healthy(timeout=0.3)}
 
     def unhang(self) -> dict[str, Any]:
         assert self.server.process is not None
