@@ -208,6 +208,41 @@ def test_a_timed_out_lookup_is_learnt_and_the_next_long_prompt_recomputes() -> N
     assert _model().observe_timeout(4096, 0.5) == 0.5
 
 
+def test_a_timed_out_length_is_recomputed_whatever_the_fits_say_until_a_hit_that_long_comes_back() -> None:
+    """The censored observation alone does not hold: a slower prefill observed next (a noisy machine) raises the
+    predicted recompute over the learnt lookup, and with no transfer measured the fits would say "uncalibrated:
+    load" and wait out the timeout again. The timed-out length is remembered instead."""
+    m = _model()
+    for n in (256, 512, 1024):
+        m.observe_prefill([(0, n)], 2e-4 * n)
+    m.observe_timeout(2048, 0.5)
+    for _ in range(3):
+        m.observe_prefill([(0, 2048)], 3.0)  # ~7x the extrapolated recompute
+    assert m.lookup_s(2048) < m.prefill_s(0, 2048) and m.transfer_s(2048) is None  # the fits alone: load
+    d = m.decide_before_lookup("r1", 2048, 0, 2048)
+    assert d.decision == "recompute" and "outlived load.timeout_s" in d.reason, d
+    assert d.predicted_load_s >= 0.5 + d.predicted_recompute_s
+    assert m.decide_before_lookup("r2", 4096, 0, 4096).decision == "recompute"  # longer: covered
+    assert m.decide_before_lookup("r3", 1024, 0, 1024).decision == "load"  # shorter: the fits decide
+    assert m.decide_before_lookup("r4", 2048, 0, 2048, mode="always").decision == "load"  # forced: loads
+    m.observe_lookup(1024, 0.05)  # a shorter hit in time says nothing about 2048 tokens
+    assert m.decide_before_lookup("r5", 2048, 0, 2048).decision == "recompute"
+    m.observe_lookup(2048, 0.05)  # a hit that long in time: the store is not that slow (any more)
+    assert "outlived" not in m.decide_before_lookup("r6", 2048, 0, 2048).reason
+
+
+def test_a_timed_out_length_is_probed_like_any_recompute_streak() -> None:
+    m = _model()
+    for n in (256, 512, 1024):
+        m.observe_prefill([(0, n)], 2e-4 * n)
+    m.observe_timeout(2048, 0.5)
+    for i in range(PROBE_EVERY - 1):
+        assert m.decide_before_lookup(f"r{i}", 2048, 0, 2048).decision == "recompute"
+    m._store_seen -= PROBE_AFTER_S
+    d = m.decide_before_lookup("probe", 2048, 0, 2048)
+    assert d.decision == "load" and d.reason.startswith("probe"), d
+
+
 def test_a_request_may_force_its_own_mode() -> None:
     m = _model(mode="auto")
     _calibrate(m, lookup_gbps=0.001)  # a slow store: auto recomputes

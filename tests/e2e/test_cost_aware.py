@@ -207,10 +207,15 @@ def test_a_timed_out_lookup_is_learnt_and_not_waited_for_again(
         step = _step(t, tag)
         assert step["num_cached_tokens"] == 0 and same_output(step, _step(replica_a, tag)), tag
     assert _step(t, "d1")["stats"]["fallbacks"].get("lookup_timeout") == 1
-    [timeout] = _events(t, "cost.lookup_timeout_observed")
+    timeouts = _events(t, "cost.lookup_timeout_observed")
+    decisions = [(e["phase"], e["decision"], e["prompt_tokens"], e["reason"]) for e in _events(t, "load.decision")]
+    assert len(timeouts) == 1, (timeouts, decisions)  # the misses answered in time; d2 did not wait again
+    [timeout] = timeouts
+    assert timeout["lookup_tokens"] == len(docs["d1"]) // CHUNK * CHUNK, (timeout, decisions)
     assert timeout["waited_s"] >= 0.3 and timeout["learnt_s"] >= timeout["waited_s"], timeout
     last = [e for e in _events(t, "load.decision") if e["phase"] == "before_lookup"][-1]
     assert last["decision"] == "recompute" and last["predicted_load_s"] > last["predicted_recompute_s"], last
+    assert "outlived load.timeout_s" in last["reason"], last
     stats = t["stats"]
     assert stats["fallbacks"] == {"lookup_timeout": 1, "cost": 1}, stats["fallbacks"]
     assert stats["cost"]["decisions"].get("timeout:recompute") == 1

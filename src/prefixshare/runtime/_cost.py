@@ -30,7 +30,8 @@ A lookup is bounded twice in mode auto (:meth:`CostModel.lookup_deadline_s`): by
 predicted recompute, and, while the store has never been measured with bytes, by the plan's arithmetic for the
 largest possible hit (its KV bytes at ``FIRST_LOAD_GBPS`` plus the lookup latency), so a fresh replica's first
 load on a slow store is not bounded only by ``load.timeout_s``. A lookup abandoned on either bound, or one that
-outlives ``load.timeout_s``, is an observation (the store is at least that slow for that size).
+outlives ``load.timeout_s``, is an observation (the store is at least that slow for that size); a prompt at least
+as long as one that outlived ``load.timeout_s`` is recomputed without a lookup until a probe finds the store fast.
 
 Nothing here imports an engine: the vLLM connector and the SGLang backend feed it observations.
 """
@@ -250,6 +251,8 @@ class CostModel:
         self.counts: Counter[str] = Counter()
         self.abs_errors: deque[float] = deque(maxlen=KEEP_DECISIONS)
         self._recompute_streak = 0
+        #: (tokens, seconds waited) of the shortest lookup that outlived load.timeout_s (see observe_timeout)
+        self._timed_out: tuple[int, float] | None = None
         self._first_prefill_seen = False
         #: when this store was last measured (a lookup observed); a model loaded from the run dir counts as
         #: measured now
@@ -339,8 +342,13 @@ class CostModel:
         self._changed()
         return True
 
-    def observe_lookup(self, hit_tokens: int, seconds: float) -> None:
+    def observe_lookup(self, hit_tokens: int, seconds: float, *, censored: bool = False) -> None:
+        """A lookup that returned ``hit_tokens`` in ``seconds`` (``censored``: it was abandoned after that long,
+        the true time is longer)."""
         self._store_seen = time.monotonic()
+        timed_out = self._timed_out
+        if not censored and timed_out is not None and hit_tokens >= timed_out[0]:
+            self._timed_out = None  # a hit that long came back in time: the store is not (or no longer) that slow
         with self._lock:
             self.lookup.observe((1.0, hit_tokens * self.kv_bytes_per_token / _MB), seconds)
             self._dirty = True
@@ -419,11 +427,17 @@ class CostModel:
             choice, reason = "load", "mode always"
         elif mode == "never":
             choice, reason = "recompute", "mode never"
+        elif (timed_out := self._timed_out_for(lookup_tokens)) is not None and not self._probe_due():
+            # a lookup this long already outlived load.timeout_s: another would wait it out, then recompute
+            # (whatever the fits say: they may still be uncalibrated, or a noisy prefill may have moved them)
+            load = max(load or 0.0, timed_out[1] + (recompute or 0.0))
+            choice, reason = "recompute", (f"a lookup of {timed_out[0]} tokens outlived load.timeout_s "
+                                           f"({timed_out[1]:.3f} s waited): another would wait it out")
         elif not known:
             choice, reason = "load", "uncalibrated: load and measure"
         elif load < recompute:  # type: ignore[operator]
             choice, reason = "load", "load predicted faster"
-        elif self._recompute_streak + 1 >= PROBE_EVERY and time.monotonic() - self._store_seen >= PROBE_AFTER_S:
+        elif self._probe_due():
             choice, reason = "load", (f"probe: after {PROBE_EVERY} recomputes and {PROBE_AFTER_S:g} s without a "
                                       "measurement, the store is looked up once")
         else:
@@ -507,24 +521,37 @@ class CostModel:
             d.decided_at = previous.decided_at
         # a lower bound on the store's read time: keep the estimate from staying optimistic
         lookup_tokens = previous.load_tokens + previous.local_tokens if previous is not None else prompt_tokens
-        self.observe_lookup(lookup_tokens, waited_s)
+        self.observe_lookup(lookup_tokens, waited_s, censored=True)
         return self._record(d)
 
     def observe_timeout(self, lookup_tokens: int, waited_s: float, local_tokens: int = 0) -> float:
         """A lookup of ``lookup_tokens`` outlived the policy's ``load.timeout_s``: the store is at least this slow
         for that size. The observation is censored (the true time is longer), so it is learnt as the larger of
-        the time waited and ``DEADLINE_FACTOR`` times the predicted recompute (when the prefill rate is known):
-        once the store's health check passes again, the model recomputes such prompts instead of waiting out the
-        timeout again, and its probes (``PROBE_EVERY``, ``PROBE_AFTER_S``) find out when the store got faster.
-        Returns the value learnt."""
+        the time waited and ``DEADLINE_FACTOR`` times the predicted recompute (when the prefill rate is known).
+        It is also remembered as such: once the store's health check passes again, prompts at least that long are
+        recomputed without a lookup whatever the fits predict (they may be uncalibrated, or moved by a noisy
+        prefill), until a hit that long comes back in time; the probes (``PROBE_EVERY``, ``PROBE_AFTER_S``) find
+        out when the store got faster. Returns the value learnt."""
         recompute = self.prefill_s(local_tokens, lookup_tokens)
         learnt = max(waited_s, DEADLINE_FACTOR * recompute) if recompute is not None else waited_s
-        self.observe_lookup(lookup_tokens, learnt)
+        self.observe_lookup(lookup_tokens, learnt, censored=True)
+        timed_out = self._timed_out
+        if timed_out is None or lookup_tokens <= timed_out[0]:
+            self._timed_out = (lookup_tokens, waited_s)
         with self._lock:
             self.counts["timeout:recompute"] += 1
         self.log.info("cost.lookup_timeout_observed", lookup_tokens=lookup_tokens, waited_s=round(waited_s, 4),
                       learnt_s=round(learnt, 4))
         return learnt
+
+    def _probe_due(self) -> bool:
+        return self._recompute_streak + 1 >= PROBE_EVERY and time.monotonic() - self._store_seen >= PROBE_AFTER_S
+
+    def _timed_out_for(self, lookup_tokens: int) -> tuple[int, float] | None:
+        """(tokens, seconds waited) of the timed-out lookup that covers a lookup of ``lookup_tokens`` (one at
+        most that long), if any: until a lookup returns a hit at least that long in time."""
+        timed_out = self._timed_out
+        return timed_out if timed_out is not None and lookup_tokens >= timed_out[0] else None
 
     def _record(self, d: LoadDecision) -> LoadDecision:
         with self._lock:
