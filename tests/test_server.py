@@ -159,3 +159,31 @@ def test_stop_ends_the_process(tmp_path: Path) -> None:
     server.stop()
     assert process.poll() is not None and not server.healthy()
     assert not server.state_path.exists()
+
+
+def test_port_checks_of_one_address_share_what_they_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler side's and the worker side's checks of one server: one connect per TTL between them, and a
+    refused connect makes every check look again (a dead server is never taken for alive from the cache)."""
+    from prefixshare.runtime import _reach
+    from prefixshare.runtime._reach import PortCheck
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    address = listener.getsockname()
+    connects: list[tuple[str, int]] = []
+    real = _reach.port_open
+
+    def counted(addr: tuple[str, int] | None) -> bool:
+        connects.append(addr)  # type: ignore[arg-type]
+        return real(addr)
+
+    monkeypatch.setattr(_reach, "port_open", counted)
+    monkeypatch.setattr(PortCheck, "_seen", {})
+    scheduler, worker = PortCheck(address, ttl_s=60), PortCheck(address, ttl_s=60)
+    assert scheduler.ok() and worker.ok() and scheduler.ok()
+    assert len(connects) == 1
+    listener.close()
+    expired = PortCheck(address, ttl_s=0.0)
+    assert not expired.ok()  # the port refuses now: forgotten for every check of it
+    assert not worker.ok() and len(connects) == 3

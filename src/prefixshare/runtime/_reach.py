@@ -18,20 +18,28 @@ SEEN_OPEN_TTL_S = 0.1
 
 
 class PortCheck:
-    """``port_open`` for the request path: a port seen open within ``ttl_s`` is not checked again."""
+    """``port_open`` for the request path: a port seen open within ``ttl_s`` is not checked again.
+
+    What was seen is shared by every check of the same address in the process (the scheduler side's before a
+    lookup and the worker side's before the transfers that follow it, in an in-process engine), so a request
+    pays at most one connect per ``ttl_s``; a refused connect is forgotten at once, so every side checks
+    again."""
+
+    #: address -> when it was last seen open (time.monotonic), per process
+    _seen: dict[tuple[str, int] | None, float] = {}
 
     def __init__(self, address: tuple[str, int] | None, ttl_s: float = SEEN_OPEN_TTL_S) -> None:
         self.address = address
         self.ttl_s = ttl_s
-        self._seen_open_at = -1.0
 
     def ok(self) -> bool:
         now = time.monotonic()
-        if now - self._seen_open_at < self.ttl_s:
+        if now - self._seen.get(self.address, -1e9) < self.ttl_s:
             return True
         if not port_open(self.address):
+            self._seen.pop(self.address, None)
             return False
-        self._seen_open_at = now
+        self._seen[self.address] = now
         return True
 
 

@@ -37,7 +37,7 @@ from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
 from prefixshare.adapters._format import verify_registered
 from prefixshare.adapters.vllm import _compat
 from prefixshare.adapters.vllm._settings import engine_settings, model_dirs
-from prefixshare.runtime import ConnectorRuntime, PortCheck, RequestInfo, port_open
+from prefixshare.runtime import ConnectorRuntime, PortCheck, RequestInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -447,6 +447,8 @@ class WorkerSide:
     def __init__(self, connector: PrefixShareConnector, address: tuple[str, int] | None) -> None:
         self.connector = connector
         self.address = address
+        #: shared with the scheduler side's check in this process (a request pays one connect per TTL)
+        self.port = PortCheck(address)
 
     def check_format(self, kv_caches: dict[str, Any]) -> None:
         """The namespace's layout label must describe the KV LMCache copies from; stop the engine if not."""
@@ -460,7 +462,9 @@ class WorkerSide:
         heartbeat each waits the full RPC timeout, inside the engine step. When the server's port refuses
         connections we clear the worker's health flag instead: LMCache then drops the stores (and reports
         dropped retrieves as failed: the engine recomputes), and its heartbeat re-registers the KV caches
-        and sets the flag again as soon as the server answers (a restarted server resumes sharing)."""
+        and sets the flag again as soon as the server answers (a restarted server resumes sharing). The check
+        is the scheduler side's cached one (seen open within ``SEEN_OPEN_TTL_S``: no connect), as P5's hook
+        timings showed an uncached connect per transfer step costing more than the rest of the hooks."""
         event = _compat.worker_health_event(getattr(self.connector, "worker_adapter", None))
         if event is None or not event.is_set():
             return
@@ -470,7 +474,7 @@ class WorkerSide:
             return
         if not any(getattr(m, "direction", None) == direction for m in getattr(metadata, "requests", ())):
             return
-        if not port_open(self.address):
+        if not self.port.ok():
             event.clear()
             self.connector.prefixshare.log.warning(
                 "store.unreachable", side="worker", direction=direction.lower(),
