@@ -85,8 +85,28 @@ def test_quick_bench_produces_sane_results(tmp_path: Path) -> None:
     assert set(results["goals"]["P4"]["per_point"]) == {f"{n}@{p['factor']}" for n, d in sweep.items()
                                                          for p in d["points"]}
 
+    # item 3: the same warm requests through prefixshare's connector and LMCache's, interleaved: every pair
+    # loaded the prompt from the server in both replicas (their own prefix caches emptied first)
+    pairs = settings["p5_pairs"]
+    for n, row in rows.items():
+        c = row["connectors"]
+        assert c["pairs"] == pairs and c["pairs_not_loaded"] == 0, c
+        for key in ("ours_ttft_s", "lmcache_ttft_s"):
+            _sane(c[key], pairs)
+        lo, hi = c["added_ci95_s"]
+        assert lo <= c["added_s"] <= hi and len(c["added_values_s"]) == pairs
+        hooks = c["hooks_us_per_request"]
+        # prefixshare's hooks ran in O (a lookup per request, a transfer gated in the worker)...
+        assert hooks["SchedulerSide.before_lookup"]["calls_median"] >= 1, hooks
+        assert hooks["WorkerSide.gate"]["calls_median"] >= 1, hooks
+        assert 0 < c["hooks_us_total"] < c["ours_ttft_s"]["median"] * 1e6
+    replicas = results["connectors"]["replicas"]
+    assert replicas["O"]["stats"]["tokens_loaded"] > 0 and replicas["O"]["stats"]["lookups"] > 0
+    assert replicas["L"]["stats"] == {}  # ...and none of prefixshare ran in L: it has no prefixshare stats
+
     goals = results["goals"]
-    assert set(goals) == {"P1", "P2", "P3", "P4", "P5", "P6", "P7", "KV"}
+    assert set(goals) == {"P1", "P2", "P3", "P4", "P5", "P5_calls", "P6", "P7", "KV"}
+    assert goals["P5"]["value_pct"] is not None and isinstance(goals["P5"]["resolved"], bool)
     assert all(isinstance(g["pass"], bool) for g in goals.values())
     # the KV bytes the store holds per token are what `prefixshare plan` predicts (not a timing)
     assert goals["KV"]["pass"], results["kv_bytes_per_token"]

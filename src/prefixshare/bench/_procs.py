@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from prefixshare.errors import PrefixShareError
 
@@ -66,6 +66,97 @@ def run_replica(workdir: Path, name: str, spec: dict[str, Any], *, timeout_s: fl
     result["events"] = parse_events(proc.stderr)
     result["wall_s"] = wall
     return result
+
+
+class ReplicaSession:
+    """An interactive replica (:mod:`prefixshare.bench._replica` with ``"interactive": true``): started once,
+    then sent steps while it stays up, so that a driver can interleave the requests of several replicas.
+
+    Use as a context manager: ``with ReplicaSession(workdir, name, spec) as r: r.run([...])``; leaving it ends
+    the replica and sets :attr:`result` (its final result, with ``events`` and ``wall_s``, as
+    :func:`run_replica`). Every wait is bounded by ``timeout_s``; a replica that exits or goes silent is killed
+    and raises :class:`ReplicaError` with the tail of its stderr."""
+
+    def __init__(self, workdir: Path, name: str, spec: dict[str, Any], *, timeout_s: float = 1800,
+                 env: dict[str, str] | None = None) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.name, self.timeout_s = name, timeout_s
+        path = workdir / f"{name}.json"
+        path.write_text(json.dumps({**spec, "interactive": True}))
+        self.stderr_path = workdir / f"{name}.stderr"
+        self._stderr = open(self.stderr_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefixshare.bench._replica", str(path)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True, env={**os.environ, **(env or {})})
+        self.result: dict[str, Any] | None = None
+        self._buffer = b""
+        import time
+
+        self._started = time.perf_counter()
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        """The next stdout line that starts with ``prefix`` (other lines are the engine's): its remainder. Reads
+        the pipe's bytes itself (a buffered reader could hold the line while select() waits on the pipe)."""
+        import select
+        import time
+
+        deadline = time.monotonic() + self.timeout_s
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._buffer:
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                if text.startswith(prefix):
+                    return text[len(prefix):].strip()
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self._fail(f"replica {self.name} said nothing for {self.timeout_s:.0f} s")
+            data = os.read(fd, 1 << 20)
+            if not data:
+                self._fail(f"replica {self.name} exited (code {self.proc.wait(timeout=30)})")
+            self._buffer += data
+
+    def _fail(self, why: str) -> NoReturn:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self._stderr.close()
+        tail = self.stderr_path.read_text(errors="replace")[-4000:]
+        raise ReplicaError(f"{why}; stderr ends:\n{tail}")
+
+    def run(self, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run ``steps`` in the replica; their results, in order."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"steps": steps}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("STEPS "))
+
+    def close(self) -> dict[str, Any]:
+        import time
+
+        if self.result is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"exit": True}) + "\n")
+            self.proc.stdin.flush()
+            result = json.loads(self._expect("RESULT "))
+            self.proc.wait(timeout=60)
+            self._stderr.close()
+            result["events"] = parse_events(self.stderr_path.read_text(errors="replace"))
+            result["wall_s"] = time.perf_counter() - self._started
+            self.result = result
+        return self.result
+
+    def __enter__(self) -> ReplicaSession:
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is None:
+            self.close()
+        elif self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+            self._stderr.close()
 
 
 def parse_events(text: str) -> list[dict[str, Any]]:

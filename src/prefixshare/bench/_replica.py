@@ -25,6 +25,17 @@ Steps (each may carry a ``tag`` that is copied into its result):
 
 The engine is wired with the connector's keyword arguments directly (no server check), so a replica may
 talk to a server whose L2 tier prefixshare's policy does not describe (the benchmarks' throttled store).
+
+``"connector": "lmcache"`` wires LMCache's own ``LMCacheMPConnector`` to the policy's server instead of
+prefixshare's (the same server settings; no policy, no namespace: LMCache keys by the model's name), the
+baseline that shows what prefixshare's connector adds. ``"hook_timings": true`` times prefixshare's work in
+each of its connector's hooks (the scheduler side's and worker side's methods, around LMCache's own) and
+adds, to each ``generate`` step, the µs and calls of each in that request (``hooks``).
+
+``"interactive": true``: after the engine starts the replica prints ``READY``, then reads one JSON object per
+line on stdin — ``{"steps": [...]}`` runs those steps and prints ``STEPS [results]``; ``{"exit": true}`` ends
+with the ``RESULT`` line — so that a driver can interleave the requests of two replicas
+(:class:`prefixshare.bench._procs.ReplicaSession`).
 """
 
 from __future__ import annotations
@@ -114,56 +125,158 @@ def main() -> None:
     fix_in_process_engine()
     engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
               "block_size": 32, "enable_prefix_caching": True, "seed": 0, **spec.get("engine", {})}
+    hooks = HookTimer() if spec.get("hook_timings") else None
     started = time.perf_counter()
     llm, read_stats, ps = _start_engine(spec, engine)
-    result: dict[str, Any] = {"engine_s": time.perf_counter() - started, "steps": []}
-    requests = 0
-    for step in spec["steps"]:
+    runner = _Steps(llm, read_stats, ps, hooks)
+    result: dict[str, Any] = {"engine_s": time.perf_counter() - started, "steps": runner.done}
+    if spec.get("interactive"):
+        _line("READY")
+        for line in sys.stdin:
+            message = json.loads(line)
+            if message.get("exit"):
+                break
+            _line("STEPS " + json.dumps([runner.run(step) for step in message["steps"]]))
+    else:
+        for step in spec["steps"]:
+            runner.run(step)
+    if read_stats is not None:
+        result["stats"] = _settled_stats(read_stats, runner.requests)
+    _line("RESULT " + json.dumps(result))
+    os._exit(0)  # skip engine teardown: the process is done
+
+
+def _line(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+class _Steps:
+    """Runs steps on one engine, keeping every result (``done``) and the count of requests it sent."""
+
+    def __init__(self, llm: Any, read_stats: Callable[[], dict[str, Any]] | None, ps: Any,
+                 hooks: HookTimer | None) -> None:
+        self.llm, self.read_stats, self.ps, self.hooks = llm, read_stats, ps, hooks
+        self.done: list[dict[str, Any]] = []
+        self.requests = 0
+
+    def run(self, step: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"op": step["op"], "tag": step.get("tag")}
         if step["op"] == "generate":
-            out.update(_generate(llm, step))
-            requests += 1
-            if read_stats is not None and step.get("stats", True):
-                stats = _settled_stats(read_stats, requests)
+            before = self.hooks.snapshot() if self.hooks is not None else None
+            out.update(_generate(self.llm, step))
+            if self.hooks is not None and before is not None:
+                out["hooks"] = self.hooks.since(before)
+            self.requests += 1
+            if self.read_stats is not None and step.get("stats", True):
+                stats = _settled_stats(self.read_stats, self.requests)
                 out["stats"] = {k: stats.get(k) for k in ("tokens_loaded", "hits", "lookups", "fallbacks",
                                                           "tokens_stored", "requests")}
                 lookup_ms = stats.get("lookup_ms") or {}
                 out["stats"]["lookup_ms_last"] = lookup_ms.get("last") if isinstance(lookup_ms, dict) else None
         elif step["op"] == "warm":
-            out.update(_warm(llm, ps, step))
-            requests += 1
-        elif step["op"] == "fadvise":
-            t0 = time.perf_counter()
-            out["bytes"] = evict_dir(step["dir"])
-            out["seconds"] = time.perf_counter() - t0
+            out.update(_warm(self.llm, self.ps, step))
+            self.requests += 1
         elif step["op"] == "throttle":
-            from prefixshare.bench._procs import set_throttle
-
-            delay = float(step.get("chunk_delay_s", 0.0))
-            if "factor" in step:
-                seconds = {s["tag"]: s["seconds"] for s in result["steps"] if s.get("tag") and "seconds" in s}
-                recompute = statistics.median(seconds[t] for t in step["recompute_tags"])
-                load = statistics.median(seconds[t] for t in step["load_tags"])
-                out.update(recompute_s=recompute, load_s=load, target_s=float(step["factor"]) * recompute)
-                delay = max(0.0, out["target_s"] - load) / int(step["chunks"])
-            set_throttle(step["path"], chunk_delay_s=delay, read_gbps=step.get("read_gbps"))
-            out["chunk_delay_s"] = delay
-        elif step["op"] == "sleep":
-            time.sleep(float(step["seconds"]))
-        elif step["op"] == "clear_l1":
-            import httpx
-
-            t0 = time.perf_counter()
-            httpx.post(step["url"].rstrip("/") + "/cache/clear", json={"tier": "l1"}, timeout=30).raise_for_status()
-            out["seconds"] = time.perf_counter() - t0
+            out.update(_throttle(step, self.done))
         else:
-            raise ValueError(f"unknown step {step['op']!r}")
-        result["steps"].append(out)
-    if read_stats is not None:
-        result["stats"] = _settled_stats(read_stats, requests)
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    os._exit(0)  # skip engine teardown: the process is done
+            out.update(_other_step(step))
+        self.done.append(out)
+        return out
+
+
+def _throttle(step: dict[str, Any], done: list[dict[str, Any]]) -> dict[str, Any]:
+    from prefixshare.bench._procs import set_throttle
+
+    out: dict[str, Any] = {}
+    delay = float(step.get("chunk_delay_s", 0.0))
+    if "factor" in step:
+        seconds = {s["tag"]: s["seconds"] for s in done if s.get("tag") and "seconds" in s}
+        recompute = statistics.median(seconds[t] for t in step["recompute_tags"])
+        load = statistics.median(seconds[t] for t in step["load_tags"])
+        out.update(recompute_s=recompute, load_s=load, target_s=float(step["factor"]) * recompute)
+        delay = max(0.0, out["target_s"] - load) / int(step["chunks"])
+    set_throttle(step["path"], chunk_delay_s=delay, read_gbps=step.get("read_gbps"))
+    out["chunk_delay_s"] = delay
+    return out
+
+
+def _other_step(step: dict[str, Any]) -> dict[str, Any]:
+    """``fadvise``, ``sleep`` and ``clear_l1``."""
+    out: dict[str, Any] = {}
+    if step["op"] == "fadvise":
+        t0 = time.perf_counter()
+        out["bytes"] = evict_dir(step["dir"])
+        out["seconds"] = time.perf_counter() - t0
+    elif step["op"] == "sleep":
+        time.sleep(float(step["seconds"]))
+    elif step["op"] == "clear_l1":
+        import httpx
+
+        t0 = time.perf_counter()
+        httpx.post(step["url"].rstrip("/") + "/cache/clear", json={"tier": "l1"}, timeout=30).raise_for_status()
+        out["seconds"] = time.perf_counter() - t0
+    else:
+        raise ValueError(f"unknown step {step['op']!r}")
+    return out
+
+
+#: prefixshare's own work in its vLLM connector, per hook: (class path, method) — what runs around LMCache's
+HOOKS = [
+    ("prefixshare.adapters.vllm.connector:SchedulerSide", "on_tracker"),
+    ("prefixshare.adapters.vllm.connector:SchedulerSide", "before_lookup"),
+    ("prefixshare.adapters.vllm.connector:SchedulerSide", "load_failed"),
+    ("prefixshare.adapters.vllm.connector:SchedulerSide", "after_lookup"),
+    ("prefixshare.adapters.vllm.connector:SchedulerSide", "loading"),
+    ("prefixshare.adapters.vllm.connector:SchedulerSide", "on_step_scheduled"),
+    ("prefixshare.adapters.vllm.connector:SchedulerSide", "on_connector_output"),
+    ("prefixshare.adapters.vllm.connector:SchedulerSide", "before_request_finished"),
+    ("prefixshare.runtime:ConnectorRuntime", "finish"),
+    ("prefixshare.adapters.vllm.connector:WorkerSide", "gate"),
+]
+
+
+class HookTimer:
+    """Wraps each of :data:`HOOKS` (class attributes, so every instance in this process) with a timer:
+    calls and nanoseconds per hook, read as differences between snapshots. The wrapper's own cost (~0.2 µs a
+    call) is included."""
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.ns: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        for path, name in HOOKS:
+            module, cls_name = path.split(":")
+            cls = getattr(importlib.import_module(module), cls_name)
+            key = f"{cls_name}.{name}"
+            self.ns[key] = self.calls[key] = 0
+            setattr(cls, name, self._wrap(key, cls.__dict__[name]))
+
+    def _wrap(self, key: str, raw: Any) -> Any:
+        import functools
+
+        clock, ns, calls = time.perf_counter_ns, self.ns, self.calls
+        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ns[key] += clock() - t0
+                calls[key] += 1
+
+        return staticmethod(timed) if isinstance(raw, staticmethod) else timed
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        return dict(self.ns), dict(self.calls)
+
+    def since(self, before: tuple[dict[str, int], dict[str, int]]) -> dict[str, dict[str, float]]:
+        ns0, calls0 = before
+        return {k: {"us": round((self.ns[k] - ns0[k]) / 1e3, 2), "calls": self.calls[k] - calls0[k]}
+                for k in self.ns if self.calls[k] != calls0[k]}
 
 
 def _start_engine(spec: dict[str, Any], engine: dict[str, Any]) -> tuple[Any, Callable[[], dict[str, Any]] | None, Any]:
@@ -175,6 +288,11 @@ def _start_engine(spec: dict[str, Any], engine: dict[str, Any]) -> tuple[Any, Ca
     read_stats = None
     if spec.get("policy") is None:
         llm = vllm.LLM(**engine)
+    elif spec.get("connector") == "lmcache":
+        from prefixshare.policies import policy_from_mapping
+
+        policy = policy_from_mapping(spec["policy"], source="bench spec")
+        llm = vllm.LLM(**engine, kv_transfer_config=lmcache_transfer_config(policy))
     else:
         from prefixshare.runtime import read_stats as _read_stats
         from prefixshare.adapters.vllm import engine_kwargs
@@ -186,12 +304,24 @@ def _start_engine(spec: dict[str, Any], engine: dict[str, Any]) -> tuple[Any, Ca
         def read_stats() -> dict[str, Any]:
             return _read_stats(spec["instance"])
 
-        if any(step["op"] == "warm" for step in spec["steps"]):
+        if spec.get("interactive") or any(step["op"] == "warm" for step in spec.get("steps", [])):
             from prefixshare.share import PrefixShare
 
             ps = PrefixShare(policy, server=False, instance=spec["instance"])
             ps.engines.append(llm)
     return llm, read_stats, ps
+
+
+def lmcache_transfer_config(policy: Any) -> dict[str, Any]:
+    """LMCache's own MP connector on the policy's server, with the settings prefixshare's connector gives it
+    (RPC timeout, heartbeat, recompute on a failed load): the same transport, none of prefixshare's work."""
+    from prefixshare.adapters.vllm import kv_transfer_config
+
+    ours = kv_transfer_config(policy, instance="lmcache-plain")
+    extra = {k: v for k, v in ours["kv_connector_extra_config"].items() if k.startswith("lmcache.")}
+    return {"kv_connector": "LMCacheMPConnector",
+            "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
