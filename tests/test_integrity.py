@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from prefixshare.server.plugins.integrity import TRAILER_BYTES, check, payload_size, trailer, verify_file
+from prefixshare.server.plugins.integrity import (
+    TRAILER_BYTES,
+    Keyring,
+    StoreKeyError,
+    check,
+    key_id,
+    payload_size,
+    trailer,
+    verify_file,
+)
 
 NAME = "prefixshare-0123456789abcdef0123@0x01000100@0@" + "ab" * 32 + ".data"
 OTHER = "prefixshare-0123456789abcdef0123@0x01000100@0@" + "cd" * 32 + ".data"
@@ -66,3 +75,82 @@ def test_every_damage_is_refused(tmp_path: Path, damage: str, verdict: str) -> N
 
 def test_missing_file(tmp_path: Path) -> None:
     assert verify_file(tmp_path / NAME).verdict == "missing"
+
+
+# --- keyed mode: only a key holder can write chunks others load -------------------------------------------------
+KEY, OLD, WRONG = bytes(range(32)), bytes(range(1, 33)), bytes(range(2, 34))
+
+
+def _ring(write: bytes, *accepted: bytes) -> Keyring:
+    return Keyring(write, (write, *accepted))
+
+
+def test_a_keyed_chunk_loads_only_under_a_key_the_reader_holds(tmp_path: Path) -> None:
+    payload = os.urandom(4096)
+    path = tmp_path / NAME
+    path.write_bytes(payload + trailer(NAME, payload, _ring(KEY)))
+    assert verify_file(path, _ring(KEY)).verdict == "ok"
+    raw = path.read_bytes()
+    assert check(NAME, raw[:4096], raw[4096:], len(raw), _ring(KEY)) == "ok"
+    assert verify_file(path, _ring(WRONG)).verdict == "other-key"  # a reader with another key
+    assert verify_file(path).verdict == "keyed"  # a reader with no key cannot check it (nor load it)
+    # a rotation: a reader that writes under a new key still accepts the old one it was told to accept
+    assert verify_file(path, _ring(OLD, KEY)).verdict == "ok"
+    # the keyed digest binds the name like the unkeyed one
+    other = tmp_path / OTHER
+    other.write_bytes(raw)
+    assert verify_file(other, _ring(KEY)).verdict == "digest-mismatch"
+
+
+def test_forgeries_are_refused_by_a_keyed_reader(tmp_path: Path) -> None:
+    """What a writer without the key can produce: an unkeyed digest it recomputed itself, a digest under its own
+    key, a keyed chunk's trailer copied onto other bytes (with the right key id), and a made-up digest."""
+    good = os.urandom(4096)
+    evil = os.urandom(4096)
+    keyed_tail = trailer(NAME, good, _ring(KEY))
+    forged = {
+        "unkeyed": evil + trailer(NAME, evil),
+        "other-key": evil + trailer(NAME, evil, _ring(WRONG)),
+        "digest-mismatch": evil + keyed_tail,
+    }
+    for verdict, data in forged.items():
+        path = tmp_path / NAME
+        path.write_bytes(data)
+        assert verify_file(path, _ring(KEY)).verdict == verdict
+        assert check(NAME, data[:4096], data[4096:], len(data), _ring(KEY)) == verdict
+
+
+def test_store_keys_come_from_named_variables_with_a_fix_when_missing() -> None:
+    env = {"K": KEY.hex(), "K_OLD": OLD.hex(), "SHORT": "abcd", "NOTHEX": "zz" * 32}
+    ring = Keyring.from_env("K", ["K_OLD"], environ=env)
+    assert ring.write == KEY and ring.accepted == (KEY, OLD)
+    assert ring.by_id(key_id(OLD)) == OLD and ring.by_id(key_id(WRONG)) is None
+    with pytest.raises(StoreKeyError, match=r"MISSING is not set; fix: export MISSING=\$\(python"):
+        Keyring.from_env("MISSING", environ=env)
+    for bad in ("SHORT", "NOTHEX"):
+        with pytest.raises(StoreKeyError, match=f"{bad} must hold 32 bytes as 64 hex digits"):
+            Keyring.from_env("K", [bad], environ=env)
+
+
+def test_a_keyed_fs_tier_names_its_variables_not_its_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixshare.errors import PolicyError
+    from prefixshare.policies import Policy
+
+    def build(**tier: object) -> Policy:
+        return Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path), **tier}])
+
+    policy = build(key_env="PS_KEY", accept_key_envs=["PS_KEY_OLD"])
+    cfg = policy.l2[0].server_config()
+    assert cfg["adapter_params"]["key_env"] == "PS_KEY" and cfg["adapter_params"]["accept_key_envs"] == ["PS_KEY_OLD"]
+    assert KEY.hex() not in str(policy.to_dict())
+    for tier, words in (({"key_env": "not a name"}, "key_env"), ({"key_env": "K", "integrity": "none"}, "key_env needs"),
+                        ({"accept_key_envs": ["K_OLD"]}, "accept_key_envs without key_env")):
+        with pytest.raises(PolicyError, match=words):
+            build(**tier)
+    monkeypatch.delenv("PS_KEY", raising=False)
+    with pytest.raises(StoreKeyError, match="PS_KEY is not set"):
+        policy.l2[0].prepare()  # a server does not start without its key
+    monkeypatch.setenv("PS_KEY", KEY.hex())
+    monkeypatch.setenv("PS_KEY_OLD", OLD.hex())
+    policy.l2[0].prepare()
+    assert policy.l2[0].keyring() == Keyring(KEY, (KEY, OLD))

@@ -187,3 +187,29 @@ def test_port_checks_of_one_address_share_what_they_saw(monkeypatch: pytest.Monk
     expired = PortCheck(address, ttl_s=0.0)
     assert not expired.ok()  # the port refuses now: forgotten for every check of it
     assert not worker.ok() and len(connects) == 3
+
+
+def test_a_keyed_store_is_read_only_by_servers_holding_its_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the real server: chunks written under the store key load on a server with the key; a server
+    without a key loads none and leaves them in place (it cannot judge them); a server whose key variable is
+    missing does not start, and says which variable."""
+    from prefixshare.server.plugins.integrity import Keyring, StoreKeyError, verify_file
+
+    store = tmp_path / "kv"
+    key = bytes(range(32))
+    keyed = [{"type": "fs", "base_path": str(store), "create": True, "key_env": "PS_TEST_KEY"}]
+    monkeypatch.setenv("PS_TEST_KEY", key.hex())
+    with LMCacheServer(make_policy(store, l2=keyed)) as writer:
+        assert run_mp_client("store", writer.url).returncode == 0
+    files = sorted(store.glob("*.data"))
+    assert len(files) == 4 and all(verify_file(f, Keyring(key, (key,))).verdict == "ok" for f in files)
+    with LMCacheServer(make_policy(store)) as unkeyed:  # integrity: blake3, no key
+        assert hits(run_mp_client("lookup", unkeyed.url).stdout) == (0, 4)
+        log = unkeyed.log_path.read_text(errors="replace")
+    assert "store.keyed_chunk" in log and not list(store.glob("*.corrupt"))  # refused, not set aside
+    with LMCacheServer(make_policy(store, l2=keyed)) as reader:
+        fetched = run_mp_client("fetch", reader.url)
+    assert hits(fetched.stdout) == (4, 4) and "bytes_equal = True" in fetched.stdout, fetched.stdout
+    monkeypatch.delenv("PS_TEST_KEY")
+    with pytest.raises(StoreKeyError, match="PS_TEST_KEY is not set"):
+        LMCacheServer(make_policy(store, l2=keyed)).start()

@@ -209,3 +209,75 @@ def test_negative_control_without_integrity_checks_the_flip_is_loaded(
                behaviour="loaded as it is and the answer changed: what the checks prevent", **row_counters(c),
                identical_to_cold=same,  # (no latency: the replica's first request, untimed by design)
                extra={"engine_cached_tokens": got["num_cached_tokens"], "wall_s": round(time.monotonic() - started, 1)}))
+
+
+# --- keyed integrity: only a key holder can write chunks the store's servers load ------------------------------
+KEY_ENV, STORE_KEY, WRONG_KEY = "PREFIXSHARE_TEST_STORE_KEY", bytes(range(32)), bytes(range(5, 37))
+
+
+def forge(path: Path, keyring: Any = None) -> None:
+    """What a writer without the store's key can do: other KV values under the chunk's own name, with a valid
+    digest it computes itself — unkeyed, or keyed under a key of its own."""
+    from prefixshare.server.plugins.integrity import TRAILER_BYTES, trailer
+
+    data = bytearray(path.read_bytes()[:-TRAILER_BYTES])
+    for i in range(0, len(data), 4):  # noise on every value: KV an engine would answer differently from
+        data[i + 3] ^= 0x08
+    path.write_bytes(bytes(data) + trailer(path.name, data, keyring))
+
+
+def test_a_keyed_store_refuses_forged_chunks_that_an_unkeyed_one_loads(
+    work: Path, model: Path, docs: dict[str, list[int]], store: Path, cold: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chunk forged with a recomputed unkeyed digest, and one keyed under another key: a keyed store's server
+    loads neither (the chunks before them load, the answer is the cold one) and sets both aside. The control:
+    the same unkeyed forgery on an unkeyed store is loaded and changes the answer."""
+    from prefixshare.server.plugins.integrity import Keyring
+
+    monkeypatch.setenv(KEY_ENV, STORE_KEY.hex())  # the servers inherit it; the policy names the variable only
+    keyed = work / "keyed"
+    policy = policy_for(keyed, l2=[{"type": "fs", "base_path": str(keyed), "create": True, "key_env": KEY_ENV}])
+    ring = Keyring(STORE_KEY, (STORE_KEY,))
+    with LMCacheServer(policy) as server:
+        run_steps(work, "keyed-writer", model, server.policy, [gen(n, docs[n]) for n in ("a", "b")])
+    written = chunk_file(keyed, docs["a"], DAMAGED_AT)
+    assert verify_file(written, ring).verdict == "ok" and verify_file(written).verdict == "keyed"  # keyed on disk
+    forgeries = {"a": (chunk_file(keyed, docs["a"], DAMAGED_AT), None, "unkeyed"),
+                 "b": (chunk_file(keyed, docs["b"], DAMAGED_AT), Keyring(WRONG_KEY, (WRONG_KEY,)), "other-key")}
+    for path, forger, verdict in forgeries.values():
+        forge(path, forger)
+        assert verify_file(path, ring).verdict == verdict  # the forgery happened, and is what it claims to be
+    with LMCacheServer(policy_for(keyed, l2=policy.to_dict()["l2"])) as server:
+        steps = [gen(WARMUP, docs[WARMUP]), gen("a", docs["a"]), gen("b", docs["b"])]
+        out = run_steps(work, "keyed-reader", model, server.policy, steps)
+        log = server.log_path.read_text(errors="replace")
+    control_store = work / "unkeyed-forged"
+    shutil.copytree(store, control_store)
+    forge(chunk_file(control_store, docs["a"], DAMAGED_AT))
+    assert verify_file(chunk_file(control_store, docs["a"], DAMAGED_AT)).verdict == "ok"  # valid, unkeyed
+    with LMCacheServer(policy_for(control_store)) as server:
+        control = run_steps(work, "unkeyed-forged-reader", model, server.policy, [gen("a", docs["a"])])
+
+    lines = [ln for ln in log.splitlines() if "store.damaged_chunk" in ln]
+    for name, (path, _, verdict) in forgeries.items():
+        got = out["by_name"][name]
+        assert got["num_cached_tokens"] == DAMAGED_AT * CHUNK, (verdict, got["num_cached_tokens"])
+        assert identical(got, cold[name]), verdict
+        assert path.with_name(path.name + ".corrupt").exists(), verdict
+        assert any(path.name in ln and verdict in ln for ln in lines), (verdict, lines)
+        c = counters(out, name)
+        how = "unkeyed digest" if verdict == "unkeyed" else "digest under another key"
+        record(Row(area="corruption", fault=f"a chunk forged with a valid {how}, keyed store",
+                   behaviour=f"refused ({verdict}) and set aside; the {DAMAGED_AT} chunks before it loaded, the rest "
+                   "recomputed", **row_counters(c), identical_to_cold=identical(got, cold[name]),
+                   max_added_latency_s=added_latency(got, cold[name], cold), corrupt_detected=1,
+                   extra={"engine_cached_tokens": got["num_cached_tokens"], "verdict": verdict}))
+    forged = control["by_name"]["a"]
+    assert forged["num_cached_tokens"] >= 9 * CHUNK  # the unkeyed store loaded the forgery...
+    changed = not identical(forged, cold["a"])
+    assert changed  # ...and it changed the answer: the threat the key removes
+    c = counters(control, "a")
+    record(Row(area="corruption", fault="a chunk forged with a valid unkeyed digest, unkeyed store (control)",
+               behaviour="loaded and the answer changed: what a store key prevents", **row_counters(c),
+               identical_to_cold=not changed, extra={"engine_cached_tokens": forged["num_cached_tokens"]}))

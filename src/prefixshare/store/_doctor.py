@@ -249,7 +249,18 @@ def check_integrity(report: DoctorReport, policy: Policy, *, verify: bool) -> No
     if not any(getattr(t, "type", None) == "fs" for t in policy.l2):
         return
     unchecked = [t.describe() for t in policy.l2 if getattr(t, "integrity", None) == "none"]
-    damaged = damaged_chunks(policy, verify=verify)
+    check_store_keys(report, policy)
+    uncheckable: list[Any] = []
+    damaged = damaged_chunks(policy, verify=verify, uncheckable=uncheckable)
+    other = sum(1 for d in damaged if d.verdict in ("other-key", "unkeyed"))
+    if other:
+        report.add("store keys", WARN, f"{other} chunks are under another key or none (never loaded: a forgery, "
+                   "or a server with another key_env)", "give every server of the store the same key_env value; "
+                   "remove them: prefixshare store gc --verify --policy FILE", chunks=other)
+    if uncheckable:
+        report.add("store keys", WARN, f"{len(uncheckable)} chunks are keyed, and this node holds no key to check "
+                   "them (its servers do not load them either)", "set the fs tier's key_env, with the store's key "
+                   "in that variable, on this node", chunks=len(uncheckable))
     root = policy.store_root
     manifests = read_manifests(str(root)).corrupt if root is not None and root.is_dir() else []
     records = Registry(root).records().corrupt if root is not None and root.is_dir() else []
@@ -270,6 +281,23 @@ def check_integrity(report: DoctorReport, policy: Policy, *, verify: bool) -> No
                    "loaded as it is", "set integrity: blake3 on the tier (the default)", verified=verify)
     else:
         report.add("integrity", OK, f"no damaged objects ({how})", damaged=[], verified=verify)
+
+
+def check_store_keys(report: DoctorReport, policy: Policy) -> None:
+    """Every keyed fs tier's key variables are set and well formed in this process (the server inherits them)."""
+    from prefixshare.server.plugins.integrity import StoreKeyError
+
+    for t in policy.l2:
+        if getattr(t, "key_env", None) is None:
+            continue
+        try:
+            t.keyring()
+        except StoreKeyError as exc:
+            report.add("store keys", FAIL, f"{t.describe()}: {exc}", "set the variable before starting the server")
+        else:
+            report.add("store keys", OK, f"{t.describe()}: key ${t.key_env} set"
+                       + (f", also accepting {', '.join('$' + e for e in t.accept_key_envs)}" if t.accept_key_envs
+                          else ""))
 
 
 def check_fingerprint(report: DoctorReport, policy: Policy, model: str | None) -> None:

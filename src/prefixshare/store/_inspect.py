@@ -202,17 +202,37 @@ class DamagedChunk:
     namespace: str | None
 
 
-def damaged_chunks(policy: Policy, *, verify: bool = True, scan: StoreScan | None = None) -> list[DamagedChunk]:
+def damaged_chunks(policy: Policy, *, verify: bool = True, scan: StoreScan | None = None,
+                   uncheckable: list[DamagedChunk] | None = None) -> list[DamagedChunk]:
     """Chunk files of prefixshare namespaces that no engine will load: those the server quarantined on load
     and, with ``verify``, every file of a checked fs tier (``integrity: blake3``) whose digest fails (this
-    reads every byte of the store once)."""
-    from prefixshare.server.plugins.integrity import verify_file
+    reads every byte of the store once), under the tier's keys when it is keyed (read from this process's
+    environment). Keyed chunks this process holds no key for are not damaged: they go to ``uncheckable``
+    when a list is given (never to gc)."""
+    from prefixshare.server.plugins.integrity import UNCHECKABLE, StoreKeyError, verify_file
 
     scan = scan or scan_store(policy)
     out = [DamagedChunk(f.path, "quarantined", f.size, f.mtime, f.chunk.namespace if f.chunk else None)
            for f in scan.quarantined]
     if not verify:
         return out
+    keyrings: dict[Path, Any] = {}
+    for t in policy.l2:
+        if getattr(t, "type", None) == "fs" and getattr(t, "integrity", "none") != "none":
+            try:
+                keyrings[Path(t.base_path)] = t.keyring()
+            except StoreKeyError:
+                keyrings[Path(t.base_path)] = None  # keyed chunks cannot be checked here: uncheckable
+    for f in scan.chunks:
+        if f.chunk is None or not f.chunk.namespace.startswith(NAMESPACE_PREFIX) or f.path.parent not in keyrings:
+            continue
+        verdict = verify_file(f.path, keyrings[f.path.parent])
+        if verdict.verdict in UNCHECKABLE:
+            if uncheckable is not None:
+                uncheckable.append(DamagedChunk(f.path, verdict.verdict, f.size, f.mtime, f.chunk.namespace))
+        elif verdict.verdict not in ("ok", "missing"):  # missing: deleted since the scan (gc, eviction)
+            out.append(DamagedChunk(f.path, verdict.verdict, f.size, f.mtime, f.chunk.namespace))
+    return out
     checked = {Path(t.base_path) for t in policy.l2
                if getattr(t, "type", None) == "fs" and getattr(t, "integrity", "none") != "none"}
     for f in scan.chunks:

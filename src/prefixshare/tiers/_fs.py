@@ -7,12 +7,15 @@ this is the first tier to try: no extra service, and it scales to a home cluster
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from prefixshare.tiers._base import LegacyRemote, TierConfig, problem
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 #: the server-side adapter that writes and checks integrity data (imported by LMCache's MP server only)
 CHECKED_ADAPTER = ("prefixshare.server.plugins.fs", "CheckedFSL2Adapter")
@@ -31,6 +34,13 @@ class FsTier(TierConfig):
     integrity: Literal["blake3", "none"] = Field(
         "blake3", description="blake3: every chunk carries a digest checked on load, a damaged chunk is never "
         "loaded; none: LMCache's plain fs adapter (no check)")
+    key_env: str | None = Field(
+        None, description="name of an environment variable holding a 32-byte key (64 hex digits) that every "
+        "server of this store holds: digests become keyed, so only a key holder can write chunks others load "
+        "(the key itself never goes in the policy)")
+    accept_key_envs: list[str] = Field(
+        default_factory=list, description="further key variables accepted for reading, during a key rotation "
+        "(docs/tiers.md: 'Keyed integrity')")
 
     @field_validator("base_path", mode="before")
     @classmethod
@@ -60,6 +70,33 @@ class FsTier(TierConfig):
             raise problem("must be a relative path inside base_path", "use e.g. '.tmp'")
         return value
 
+    @field_validator("key_env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME.fullmatch(value):
+            raise problem("is not an environment variable name", "name the variable, e.g. PREFIXSHARE_STORE_KEY "
+                          "(the key itself never goes in the policy)")
+        return value
+
+    @field_validator("accept_key_envs")
+    @classmethod
+    def _env_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not _ENV_NAME.fullmatch(name):
+                raise problem(f"{name!r} is not an environment variable name",
+                              "name the variables, e.g. [PREFIXSHARE_STORE_KEY_OLD]")
+        return value
+
+    @model_validator(mode="after")
+    def _keys_need_integrity(self) -> FsTier:
+        if self.key_env is not None and self.integrity == "none":
+            raise problem("key_env needs integrity checks (integrity: none writes no digest to key)",
+                          "set integrity: blake3, or drop key_env")
+        if self.accept_key_envs and self.key_env is None:
+            raise problem("accept_key_envs without key_env: keys are accepted only by a keyed store",
+                          "set key_env to the key new chunks are written under")
+        return self
+
     @model_validator(mode="after")
     def _odirect_needs_plain(self) -> FsTier:
         if self.use_odirect and self.integrity != "none":
@@ -72,6 +109,8 @@ class FsTier(TierConfig):
         if self.integrity == "none":
             return cfg
         params = {k: cfg.pop(k) for k in list(cfg) if k in self._adapter_fields()}
+        if self.key_env is not None:
+            params.update(key_env=self.key_env, accept_key_envs=list(self.accept_key_envs))
         module, cls = CHECKED_ADAPTER
         return {**cfg, "type": "plugin", "module_path": module, "class_name": cls, "adapter_params": params}
 
@@ -95,6 +134,16 @@ class FsTier(TierConfig):
             path.mkdir(mode=0o750, parents=True, exist_ok=True)
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(f"fs tier: {self.base_path} is not writable by this user")
+        self.keyring()  # a missing or malformed key stops the server's start here, named, not in its log
+
+    def keyring(self) -> Any:
+        """The store's keys from this process's environment (None: unkeyed); StoreKeyError names what is
+        missing."""
+        if self.key_env is None:
+            return None
+        from prefixshare.server.plugins.integrity import Keyring
+
+        return Keyring.from_env(self.key_env, self.accept_key_envs)
 
     def probe(self, timeout_s: float = 0.25) -> str | None:
         path = Path(self.base_path)
@@ -105,4 +154,4 @@ class FsTier(TierConfig):
         return None
 
     def describe(self) -> str:
-        return f"fs:{self.base_path}"
+        return f"fs:{self.base_path}" + (f" (keyed: ${self.key_env})" if self.key_env else "")

@@ -17,6 +17,11 @@ one directory share chunks and LMCache's tools still read the files. What differ
   that chunk on, and the file is renamed ``<name>.corrupt`` (lookups stop finding it; ``prefixshare doctor``
   lists it, ``prefixshare store gc --damaged`` removes it). One structured log line per damaged chunk.
 
+With ``key_env`` in the adapter's parameters (the fs tier's ``key_env``) digests are keyed: the key is read
+from that environment variable of the server's process when the adapter starts (never from the policy), and
+``accept_key_envs`` names further keys accepted for reading (a rotation). A chunk this server cannot check
+because it holds no key (``keyed``) is not loaded and left in place; every other refusal is quarantined.
+
 The digest costs one blake3 pass over the bytes on store and on load (GB/s per core; measured in
 docs/benchmarks.md).
 """
@@ -43,7 +48,26 @@ FILE_MODE = 0o640
 
 class CheckedFSL2AdapterConfig(FSL2AdapterConfig):
     """LMCache's fs adapter fields (``base_path``, ``relative_tmp_dir``, ``read_ahead_size``,
-    ``use_odirect``); O_DIRECT is not used by this adapter (the trailer breaks block alignment)."""
+    ``use_odirect``; O_DIRECT is not used by this adapter: the trailer breaks block alignment), plus the names
+    of the store key variables (``key_env``, ``accept_key_envs``). LMCache's plugin loader builds it from the
+    adapter's parameters by this class's name."""
+
+    key_env: str | None = None
+    accept_key_envs: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CheckedFSL2AdapterConfig:
+        base = FSL2AdapterConfig.from_dict(d)
+        config = cls(base.base_path, base.relative_tmp_dir, base.read_ahead_size, base.use_odirect)
+        key_env, accept = d.get("key_env"), d.get("accept_key_envs") or []
+        if key_env is not None and not isinstance(key_env, str):
+            raise ValueError("key_env must be the name of an environment variable")
+        if not isinstance(accept, list) or not all(isinstance(a, str) for a in accept):
+            raise ValueError("accept_key_envs must be a list of environment variable names")
+        if accept and key_env is None:
+            raise ValueError("accept_key_envs needs key_env")
+        config.key_env, config.accept_key_envs = key_env, tuple(accept)
+        return config
 
 
 class CheckedFSL2Adapter(FSL2Adapter):
@@ -53,10 +77,14 @@ class CheckedFSL2Adapter(FSL2Adapter):
         configure_from_environment()  # the MP server's process: log as the process that started it
         if isinstance(config, dict):
             config = CheckedFSL2AdapterConfig.from_dict(config)
+        key_env = getattr(config, "key_env", None)
+        #: None: unkeyed digests; else the keys this server signs with and accepts (StoreKeyError when missing)
+        self.keyring = integrity.Keyring.from_env(key_env, getattr(config, "accept_key_envs", ())) if key_env else None
         config.use_odirect = False
         super().__init__(config)
         self.damaged = 0  # chunks refused on load since start
         self.verified = 0
+        self.uncheckable = 0  # keyed chunks this server holds no key for (not loaded, left in place)
         self._log = log.bind(base_path=str(self._base_path))
 
     # ---- store ----------------------------------------------------------------------------------------
@@ -85,7 +113,7 @@ class CheckedFSL2Adapter(FSL2Adapter):
                 if await aiofiles.os.path.exists(final):
                     continue
                 payload = memoryview(obj.byte_array).cast("B")
-                tail = await self._loop.run_in_executor(None, integrity.trailer, final.name, payload)
+                tail = await self._loop.run_in_executor(None, integrity.trailer, final.name, payload, self.keyring)
                 await self._loop.run_in_executor(None, self._write, tmp, final, payload, tail)
                 written += payload.nbytes
                 stored_keys.append(key)
@@ -115,7 +143,8 @@ class CheckedFSL2Adapter(FSL2Adapter):
             if got < n:
                 return "truncated"
             tail = f.read(integrity.TRAILER_BYTES)
-        return integrity.check(path.name, dst, tail, size)  # blake3 (~8 GB/s a core) is the cost, not the read
+        # blake3 (~8 GB/s a core) is the cost, not the read
+        return integrity.check(path.name, dst, tail, size, self.keyring)
 
     def _quarantine(self, path: Path, verdict: str) -> None:
         self.damaged += 1
@@ -143,6 +172,10 @@ class CheckedFSL2Adapter(FSL2Adapter):
             if verdict == "ok":
                 self.verified += 1
                 bitmap.set(i)
+            elif verdict in integrity.UNCHECKABLE:
+                self.uncheckable += 1
+                self._log.warning("store.keyed_chunk", file=path.name, action="not loaded (this server holds no "
+                                  "store key); set the fs tier's key_env on every server of this store")
             else:
                 self._quarantine(path, verdict)
         loaded = [keys[i] for i in bitmap.get_indices_list()]
@@ -154,6 +187,7 @@ class CheckedFSL2Adapter(FSL2Adapter):
 
     def report_status(self) -> dict[str, Any]:
         status = super().report_status()
-        status.update(type="prefixshare.CheckedFSL2Adapter", integrity="blake3", chunks_verified=self.verified,
-                      chunks_damaged=self.damaged)
+        status.update(type="prefixshare.CheckedFSL2Adapter",
+                      integrity="blake3-keyed" if self.keyring is not None else "blake3",
+                      chunks_verified=self.verified, chunks_damaged=self.damaged, chunks_uncheckable=self.uncheckable)
         return status

@@ -3,12 +3,20 @@
 A chunk file written by prefixshare's fs adapter (:mod:`prefixshare.server.plugins.fs`, run inside LMCache's
 MP server) is the raw KV bytes LMCache's own fs adapter writes, followed by a fixed 48-byte trailer::
 
-    payload (n bytes) | b"PSKV" | version u8 | algorithm u8 | reserved u16 | n u64 | digest (32 bytes)
+    payload (n bytes) | b"PSKV" | version u8 | algorithm u8 | key id u16 | n u64 | digest (32 bytes)
 
 ``digest = blake3(file name stem || 0x00 || payload)``. Binding the name means a chunk copied in under
 another name — another model's, another tenant's, another position's — fails the check exactly like a flipped
 bit or a truncated file. A reader accepts a chunk only if the file is ``n + 48`` bytes long, the trailer
 parses and the digest matches; anything else is *damaged* and never loaded.
+
+**Keyed mode** (algorithm 2; the fs tier's ``key_env``): the digest is blake3's keyed hash under a 32-byte key
+that only the store's servers hold, and the key id field names which key (a 16-bit id derived from the key,
+not the key). Without it anyone who can write to the directory can plant KV with a valid digest; with it a
+chunk is accepted only under a key the reader holds (its own, or one it accepts during a rotation). A keyed
+reader refuses unkeyed chunks (``unkeyed``: a forger could compute that digest) and chunks under a key it does
+not hold (``other-key``); a reader without a key cannot check keyed chunks (``keyed``: not loaded, and left in
+place — a replica missing its key must not destroy the store's good chunks).
 
 LMCache's own fs adapter still reads these files (it reads exactly the payload length and ignores what
 follows), so a store stays readable by a plain LMCache deployment; the reverse is refused: a file without a
@@ -23,22 +31,74 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import blake3
 
+from prefixshare.errors import PrefixShareError
 from prefixshare.keys import DATA_SUFFIX
 
 MAGIC = b"PSKV"
 VERSION = 1
 ALGORITHM_BLAKE3 = 1
-_HEAD = struct.Struct("<4sBBHQ")  # magic, version, algorithm, reserved, payload length
+ALGORITHM_BLAKE3_KEYED = 2
+_HEAD = struct.Struct("<4sBBHQ")  # magic, version, algorithm, key id (keyed) or 0, payload length
 DIGEST_BYTES = 32
 TRAILER_BYTES = _HEAD.size + DIGEST_BYTES  # 48
 #: suffix given to a chunk file found damaged on load: lookups stop finding it; ``gc --damaged`` removes it
 QUARANTINE_SUFFIX = ".corrupt"
 
-Verdict = Literal["ok", "truncated", "unverified", "bad-trailer", "digest-mismatch", "missing", "unreadable"]
+Verdict = Literal["ok", "truncated", "unverified", "bad-trailer", "digest-mismatch", "missing", "unreadable",
+                  "unkeyed", "other-key", "keyed"]
+#: verdicts that say nothing against the chunk, only that this reader cannot check it: not loaded, not quarantined
+UNCHECKABLE: frozenset[str] = frozenset({"keyed"})
+#: bytes of a store key (blake3's keyed mode)
+KEY_BYTES = 32
+
+
+class StoreKeyError(PrefixShareError, ValueError):
+    """A store key that is missing or malformed; the message names the variable and the fix."""
+
+
+def key_id(key: bytes) -> int:
+    """The 16-bit id written beside a keyed digest (derived from the key; it does not reveal it)."""
+    return int.from_bytes(blake3.blake3(b"prefixshare store key id\x00" + key).digest()[:2], "little")
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """The keys a store's servers hold: ``write`` signs new chunks; chunks under any of ``accepted`` (``write``
+    first) are loaded."""
+
+    write: bytes
+    accepted: tuple[bytes, ...]
+
+    def by_id(self, kid: int) -> bytes | None:
+        return next((k for k in self.accepted if key_id(k) == kid), None)
+
+    @classmethod
+    def from_env(cls, key_env: str, accept_key_envs: list[str] | tuple[str, ...] = (),
+                 environ: Any = None) -> Keyring:
+        """The keyring named by environment variables (64 hex digits each); :class:`StoreKeyError` when one is
+        missing or malformed."""
+        env = os.environ if environ is None else environ
+        write = parse_key(key_env, env.get(key_env))
+        accepted = [write] + [parse_key(name, env.get(name)) for name in accept_key_envs]
+        return cls(write, tuple(dict.fromkeys(accepted)))
+
+
+def parse_key(name: str, value: str | None) -> bytes:
+    fix = (f"export {name}=$(python -c 'import secrets; print(secrets.token_hex(32))') on every node of the "
+           "store (the same value), before its server starts")
+    if not value:
+        raise StoreKeyError(f"the store key variable {name} is not set; fix: {fix}")
+    try:
+        key = bytes.fromhex(value.strip())
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise StoreKeyError(f"{name} must hold {KEY_BYTES} bytes as {2 * KEY_BYTES} hex digits; fix: {fix}")
+    return key
 
 
 def _name_bytes(name: str) -> bytes:
@@ -46,17 +106,21 @@ def _name_bytes(name: str) -> bytes:
     return stem.encode("utf-8") + b"\x00"
 
 
-def digest(name: str, payload: bytes | bytearray | memoryview) -> bytes:
-    """The digest of ``payload`` stored under file name ``name`` (the ``.data`` suffix is ignored)."""
-    h = blake3.blake3(_name_bytes(name))
+def digest(name: str, payload: bytes | bytearray | memoryview, key: bytes | None = None) -> bytes:
+    """The digest of ``payload`` stored under file name ``name`` (the ``.data`` suffix is ignored); keyed
+    (blake3's keyed hash) when ``key`` is given."""
+    h = blake3.blake3(_name_bytes(name)) if key is None else blake3.blake3(_name_bytes(name), key=key)
     h.update(payload)
     return h.digest()
 
 
-def trailer(name: str, payload: bytes | bytearray | memoryview) -> bytes:
-    """The 48 bytes written after ``payload`` in the file ``name``."""
+def trailer(name: str, payload: bytes | bytearray | memoryview, keyring: Keyring | None = None) -> bytes:
+    """The 48 bytes written after ``payload`` in the file ``name`` (keyed under ``keyring.write`` if given)."""
     n = memoryview(payload).nbytes
-    return _HEAD.pack(MAGIC, VERSION, ALGORITHM_BLAKE3, 0, n) + digest(name, payload)
+    if keyring is None:
+        return _HEAD.pack(MAGIC, VERSION, ALGORITHM_BLAKE3, 0, n) + digest(name, payload)
+    key = keyring.write
+    return _HEAD.pack(MAGIC, VERSION, ALGORITHM_BLAKE3_KEYED, key_id(key), n) + digest(name, payload, key)
 
 
 def _trailer_state(head: bytes, payload_bytes: int) -> Literal["ok", "absent", "bad"]:
@@ -68,14 +132,33 @@ def _trailer_state(head: bytes, payload_bytes: int) -> Literal["ok", "absent", "
     magic, version, algorithm, _reserved, length = _HEAD.unpack(head[: _HEAD.size])
     if magic != MAGIC:
         return "absent"
-    if version != VERSION or algorithm != ALGORITHM_BLAKE3 or length != payload_bytes:
+    if version != VERSION or algorithm not in (ALGORITHM_BLAKE3, ALGORITHM_BLAKE3_KEYED) or length != payload_bytes:
         return "bad"
     return "ok"
 
 
-def check(name: str, payload: bytes | bytearray | memoryview, tail: bytes, file_size: int) -> Verdict:
+def _check_digest(name: str, payload: bytes | bytearray | memoryview, tail: bytes,
+                  keyring: Keyring | None) -> Verdict:
+    """The digest of a chunk whose trailer parsed, under the key its trailer names (see the module's docstring
+    for the keyed verdicts)."""
+    _magic, _version, algorithm, kid, _length = _HEAD.unpack(tail[: _HEAD.size])
+    key = None
+    if algorithm == ALGORITHM_BLAKE3_KEYED:
+        if keyring is None:
+            return "keyed"
+        key = keyring.by_id(kid)
+        if key is None:
+            return "other-key"
+    elif keyring is not None:
+        return "unkeyed"
+    return "ok" if digest(name, payload, key) == tail[_HEAD.size :] else "digest-mismatch"
+
+
+def check(name: str, payload: bytes | bytearray | memoryview, tail: bytes, file_size: int,
+          keyring: Keyring | None = None) -> Verdict:
     """Verdict on a chunk whose first ``len(payload)`` bytes were read into ``payload`` and whose last
-    ``TRAILER_BYTES`` are ``tail`` (``file_size`` is the file's size on disk)."""
+    ``TRAILER_BYTES`` are ``tail`` (``file_size`` is the file's size on disk); ``keyring``: the reader's keys
+    (None: an unkeyed store)."""
     n = memoryview(payload).nbytes
     if file_size == n:
         return "unverified"  # exactly the payload: written without integrity data (a plain LMCache fs tier)
@@ -83,7 +166,7 @@ def check(name: str, payload: bytes | bytearray | memoryview, tail: bytes, file_
         return "truncated"
     if file_size != n + TRAILER_BYTES or _trailer_state(tail, n) != "ok":
         return "bad-trailer"
-    return "ok" if digest(name, payload) == tail[_HEAD.size :] else "digest-mismatch"
+    return _check_digest(name, payload, tail, keyring)
 
 
 @dataclass(frozen=True)
@@ -93,7 +176,7 @@ class FileVerdict:
     payload_bytes: int | None  #: the payload length the trailer states (None when there is no valid trailer)
 
 
-def verify_file(path: Path) -> FileVerdict:
+def verify_file(path: Path, keyring: Keyring | None = None) -> FileVerdict:
     """Read one chunk file and check it (the store tools' scan; the adapter checks while loading)."""
     try:
         with open(path, "rb") as f:
@@ -115,8 +198,7 @@ def verify_file(path: Path) -> FileVerdict:
         return FileVerdict(path, "missing", None)
     except OSError:
         return FileVerdict(path, "unreadable", None)
-    verdict: Verdict = "ok" if digest(path.name, payload) == tail[_HEAD.size :] else "digest-mismatch"
-    return FileVerdict(path, verdict, length)
+    return FileVerdict(path, _check_digest(path.name, payload, tail, keyring), length)
 
 
 def payload_size(path: Path, file_size: int | None = None) -> int:
