@@ -233,12 +233,3 @@ def damaged_chunks(policy: Policy, *, verify: bool = True, scan: StoreScan | Non
         elif verdict.verdict not in ("ok", "missing"):  # missing: deleted since the scan (gc, eviction)
             out.append(DamagedChunk(f.path, verdict.verdict, f.size, f.mtime, f.chunk.namespace))
     return out
-    checked = {Path(t.base_path) for t in policy.l2
-               if getattr(t, "type", None) == "fs" and getattr(t, "integrity", "none") != "none"}
-    for f in scan.chunks:
-        if f.chunk is None or not f.chunk.namespace.startswith(NAMESPACE_PREFIX) or f.path.parent not in checked:
-            continue
-        verdict = verify_file(f.path)
-        if verdict.verdict not in ("ok", "missing"):  # missing: deleted since the scan (gc, eviction)
-            out.append(DamagedChunk(f.path, verdict.verdict, f.size, f.mtime, f.chunk.namespace))
-    return out
