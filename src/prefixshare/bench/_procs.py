@@ -47,14 +47,11 @@ def run_replica(workdir: Path, name: str, spec: dict[str, Any], *, timeout_s: fl
     structured log events it emitted (``events``) and its wall time including start-up (``wall_s``)."""
     import time
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / f"{name}.json"
-    path.write_text(json.dumps(spec))
+    argv = _replica_argv(workdir, name, spec)
     full_env = {**os.environ, **(env or {})}
     started = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "prefixshare.bench._replica", str(path)], capture_output=True,
-                              text=True, timeout=timeout_s, env=full_env)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=full_env)
     except subprocess.TimeoutExpired as exc:
         raise ReplicaError(f"replica {name} did not finish within {timeout_s:.0f} s") from exc
     wall = time.perf_counter() - started
@@ -68,6 +65,14 @@ def run_replica(workdir: Path, name: str, spec: dict[str, Any], *, timeout_s: fl
     return result
 
 
+def _replica_argv(workdir: Path, name: str, spec: dict[str, Any]) -> list[str]:
+    """Write ``spec`` to ``workdir/name.json``; the command that runs a replica on it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    return [sys.executable, "-m", "prefixshare.bench._replica", str(path)]
+
+
 class ReplicaSession:
     """An interactive replica (:mod:`prefixshare.bench._replica` with ``"interactive": true``): started once,
     then sent steps while it stays up, so that a driver can interleave the requests of several replicas.
@@ -79,15 +84,12 @@ class ReplicaSession:
 
     def __init__(self, workdir: Path, name: str, spec: dict[str, Any], *, timeout_s: float = 1800,
                  env: dict[str, str] | None = None) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
         self.name, self.timeout_s = name, timeout_s
-        path = workdir / f"{name}.json"
-        path.write_text(json.dumps({**spec, "interactive": True}))
+        argv = _replica_argv(workdir, name, {**spec, "interactive": True})
         self.stderr_path = workdir / f"{name}.stderr"
         self._stderr = open(self.stderr_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixshare.bench._replica", str(path)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self._stderr, text=True, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     text=True, env={**os.environ, **(env or {})})
         self.result: dict[str, Any] | None = None
         self._buffer = b""
         import time

@@ -165,8 +165,8 @@ class _Steps:
         if step["op"] == "generate":
             before = self.hooks.snapshot() if self.hooks is not None else None
             out.update(_generate(self.llm, step))
-            if self.hooks is not None and before is not None:
-                out["hooks"] = self.hooks.since(before)
+            if before is not None:
+                out["hooks"] = self.hooks.since(before)  # type: ignore[union-attr]
             self.requests += 1
             if self.read_stats is not None and step.get("stats", True):
                 stats = _settled_stats(self.read_stats, self.requests)
@@ -319,9 +319,9 @@ def lmcache_transfer_config(policy: Any) -> dict[str, Any]:
 
     ours = kv_transfer_config(policy, instance="lmcache-plain")
     extra = {k: v for k, v in ours["kv_connector_extra_config"].items() if k.startswith("lmcache.")}
-    return {"kv_connector": "LMCacheMPConnector",
+    return {**ours, "kv_connector": "LMCacheMPConnector",
             "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+            "kv_connector_extra_config": extra}
 
 
 def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:

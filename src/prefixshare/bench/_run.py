@@ -245,12 +245,7 @@ class Bench:
         kv_measured = self._kv_bytes_per_token()
         self.timings["total_s"] = round(time.perf_counter() - self.started, 1)
         results = self._assemble(info, machine()["load_average"], kvb, kv_measured, io, overhead, a, a_steps,
-                                 b_steps, be_steps, r_steps, sweep)
-        rows = connector_rows(connectors, s.lengths, s.p5_pairs, s.chunk_size)
-        for n, row in results["per_length"].items():
-            row["connectors"] = rows[n]
-        results["connectors"] = {"replicas": {k: connectors[k] for k in ("O", "L")}}
-        results["goals"] = evaluate(results)
+                                 b_steps, be_steps, r_steps, sweep, connectors)
         results["profile_warm_request"] = self._profile_warm_request(a_steps, b, b_steps)
         for n, row in results["per_length"].items():
             row["overhead_with_rules_us"] = overhead_rules[n]
@@ -458,7 +453,7 @@ class Bench:
     def _assemble(self, info: dict[str, Any], load_end: Any, kvb: int, kv_measured: dict[str, Any],
                   io: dict[str, Any], overhead: dict[str, Any], a: dict[str, Any], a_steps: dict[str, Any],
                   b_steps: dict[str, Any], be_steps: dict[str, Any], r_steps: dict[str, Any],
-                  sweep: dict[str, Any]) -> dict[str, Any]:
+                  sweep: dict[str, Any], connectors: dict[str, Any]) -> dict[str, Any]:
         from prefixshare.plan import plan
 
         s = self.s
@@ -467,6 +462,8 @@ class Bench:
         per_length: dict[str, Any] = {}
         for n in s.lengths:
             per_length[str(n)] = self._length_row(n, kvb, io, overhead, a_steps, b_steps, be_steps, r_steps, hashing)
+        for n, row in connector_rows(connectors, s.lengths, s.p5_pairs, s.chunk_size).items():
+            per_length[n]["connectors"] = row
         results = {
             "run_id": self.run_id,
             "commit": _commit(),
@@ -483,6 +480,7 @@ class Bench:
             "per_length": per_length,
             "sweep": self._sweep_results(sweep),
             "replica_stats": {"A": _slim(a.get("stats")), "C": _slim(sweep["replica"].get("stats"))},
+            "connectors": {"replicas": {k: connectors[k] for k in ("O", "L")}},
             "timings": self.timings,
         }
         results["goals"] = evaluate(results)
