@@ -15,6 +15,7 @@ from prefixshare.server.plugins.integrity import (
     check,
     key_id,
     payload_size,
+    tier_keyring,
     trailer,
     verify_file,
 )
@@ -149,8 +150,8 @@ def test_a_keyed_fs_tier_names_its_variables_not_its_keys(tmp_path: Path, monkey
             build(**tier)
     monkeypatch.delenv("PS_KEY", raising=False)
     with pytest.raises(StoreKeyError, match="PS_KEY is not set"):
-        policy.l2[0].prepare()  # a server does not start without its key
+        tier_keyring(policy.l2[0])  # what the server's start checks: it does not start without its key
     monkeypatch.setenv("PS_KEY", KEY.hex())
     monkeypatch.setenv("PS_KEY_OLD", OLD.hex())
-    policy.l2[0].prepare()
-    assert policy.l2[0].keyring() == Keyring(KEY, (KEY, OLD))
+    assert tier_keyring(policy.l2[0]) == Keyring(KEY, (KEY, OLD))
+    assert tier_keyring(build()) is None  # an unkeyed tier

@@ -25,6 +25,7 @@ from prefixshare._net import connect_error
 from prefixshare._paths import run_dir
 from prefixshare.errors import ServerError
 from prefixshare.policies import Policy, server_argv, server_env
+from prefixshare.server.plugins.integrity import tier_keyring
 from prefixshare.tiers import require_client
 
 _LIKELY_CAUSES: tuple[tuple[str, str], ...] = (
@@ -183,6 +184,7 @@ class LMCacheServer:
         for tier in self.policy.l2:
             require_client(tier)
             tier.prepare()
+            tier_keyring(tier)  # a missing or malformed store key stops the start here, named, not in its log
             # LMCache connects to remote tiers lazily: a server over an unreachable tier starts "healthy" and
             # misses forever. Say so now, naming the tier. (A launcher may give the server another network or
             # mount view than ours, e.g. its own /etc/hosts: then the server's view is the one that counts.)

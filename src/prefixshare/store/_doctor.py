@@ -285,13 +285,13 @@ def check_integrity(report: DoctorReport, policy: Policy, *, verify: bool) -> No
 
 def check_store_keys(report: DoctorReport, policy: Policy) -> None:
     """Every keyed fs tier's key variables are set and well formed in this process (the server inherits them)."""
-    from prefixshare.server.plugins.integrity import StoreKeyError
+    from prefixshare.server.plugins.integrity import StoreKeyError, tier_keyring
 
     for t in policy.l2:
         if getattr(t, "key_env", None) is None:
             continue
         try:
-            t.keyring()
+            tier_keyring(t)
         except StoreKeyError as exc:
             report.add("store keys", FAIL, f"{t.describe()}: {exc}", "set the variable before starting the server")
         else:

@@ -209,7 +209,7 @@ def damaged_chunks(policy: Policy, *, verify: bool = True, scan: StoreScan | Non
     reads every byte of the store once), under the tier's keys when it is keyed (read from this process's
     environment). Keyed chunks this process holds no key for are not damaged: they go to ``uncheckable``
     when a list is given (never to gc)."""
-    from prefixshare.server.plugins.integrity import UNCHECKABLE, StoreKeyError, verify_file
+    from prefixshare.server.plugins.integrity import UNCHECKABLE, StoreKeyError, tier_keyring, verify_file
 
     scan = scan or scan_store(policy)
     out = [DamagedChunk(f.path, "quarantined", f.size, f.mtime, f.chunk.namespace if f.chunk else None)
@@ -220,7 +220,7 @@ def damaged_chunks(policy: Policy, *, verify: bool = True, scan: StoreScan | Non
     for t in policy.l2:
         if getattr(t, "type", None) == "fs" and getattr(t, "integrity", "none") != "none":
             try:
-                keyrings[Path(t.base_path)] = t.keyring()
+                keyrings[Path(t.base_path)] = tier_keyring(t)
             except StoreKeyError:
                 keyrings[Path(t.base_path)] = None  # keyed chunks cannot be checked here: uncheckable
     for f in scan.chunks:

@@ -134,16 +134,6 @@ class FsTier(TierConfig):
             path.mkdir(mode=0o750, parents=True, exist_ok=True)
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(f"fs tier: {self.base_path} is not writable by this user")
-        self.keyring()  # a missing or malformed key stops the server's start here, named, not in its log
-
-    def keyring(self) -> Any:
-        """The store's keys from this process's environment (None: unkeyed); StoreKeyError names what is
-        missing."""
-        if self.key_env is None:
-            return None
-        from prefixshare.server.plugins.integrity import Keyring
-
-        return Keyring.from_env(self.key_env, self.accept_key_envs)
 
     def probe(self, timeout_s: float = 0.25) -> str | None:
         path = Path(self.base_path)

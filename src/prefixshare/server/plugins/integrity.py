@@ -87,6 +87,15 @@ class Keyring:
         return cls(write, tuple(dict.fromkeys(accepted)))
 
 
+def tier_keyring(tier: Any) -> Keyring | None:
+    """A tier's store keys from this process's environment (None: an unkeyed tier); :class:`StoreKeyError`
+    names the variable that is missing or malformed."""
+    key_env = getattr(tier, "key_env", None)
+    if key_env is None:
+        return None
+    return Keyring.from_env(key_env, getattr(tier, "accept_key_envs", ()))
+
+
 def parse_key(name: str, value: str | None) -> bytes:
     fix = (f"export {name}=$(python -c 'import secrets; print(secrets.token_hex(32))') on every node of the "
            "store (the same value), before its server starts")
