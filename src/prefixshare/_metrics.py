@@ -26,6 +26,8 @@ Metric names (every one labelled by ``engine``):
 ``prefixshare_warm_tokens_total``            counter   prefix tokens warmed
 ``prefixshare_warm_bytes_total``             counter   KV bytes warmed
 ``prefixshare_warm_progress_ratio``          gauge     progress of the running warm (0..1, by tokens)
+``prefixshare_verify_total``                 counter   sampled store hits by ``verdict`` (sampled, dropped,
+                                                       ok, mismatch, unverifiable)
 =========================================== ========= =========================================
 """
 
@@ -76,6 +78,8 @@ class _Metrics:
         self.warm_bytes = Counter("prefixshare_warm_bytes", "KV bytes warmed", ["engine"], **kw)
         self.warm_ratio = Gauge("prefixshare_warm_progress_ratio", "Progress of the running warm, by tokens",
                                 ["engine"], **kw)
+        self.verify = Counter("prefixshare_verify", "Sampled verification of store hits", ["engine", "verdict"],
+                              **kw)
         # warm_progress reports cumulative values per run; counters take the increments
         self.warm_last: dict[str, tuple[int, int, int]] = {}
 
@@ -198,6 +202,14 @@ def stored(engine: str, tokens: int, nbytes: int) -> None:
         return
     m.stored_tokens.labels(engine).inc(tokens)
     m.stored_bytes.labels(engine).inc(nbytes)
+
+
+def verify(engine: str, verdict: str) -> None:
+    """A store hit was sampled for verification, dropped, or verified (ok, mismatch, unverifiable)."""
+    m = _m if _resolved else _resolve()
+    if m is None:
+        return
+    m.verify.labels(engine, verdict).inc()
 
 
 def warm_progress(documents: int, tokens: int, nbytes: int, **fields: Any) -> None:

@@ -42,6 +42,8 @@ REQ_STORE = "prefixshare.store"
 #: a request's own load mode: "always" (load whatever the store holds), "never" (recompute), "auto" (the cost model)
 REQ_LOAD = "prefixshare.load"
 LOAD_MODES = ("auto", "always", "never")
+#: a verification run (prefixshare.verify): never stored, never sampled for verification itself
+REQ_VERIFY = "prefixshare.verify"
 
 _SAFE = re.compile(r"^[A-Za-z0-9._-]{1,48}$")
 

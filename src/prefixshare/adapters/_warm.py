@@ -25,12 +25,17 @@ class PrefillRequest:
     token_ids: list[int]
     kv_transfer_params: dict[str, Any]
     cache_salt: str | None = None
+    #: also return the first token and the log-probabilities of the ``top_logprobs`` likeliest (verification)
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
 class PrefillResult:
     #: prompt tokens the engine did not compute (loaded from the store or its local prefix cache)
     cached_tokens: int
+    #: the greedy first token, and ``{token id: log-probability}`` of the likeliest (with ``top_logprobs``)
+    first_token: int | None = None
+    logprobs: dict[int, float] | None = None
 
 
 @runtime_checkable

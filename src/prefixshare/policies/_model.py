@@ -136,6 +136,33 @@ class FingerprintSettings(BaseModel):
         return value
 
 
+class VerifySettings(BaseModel):
+    """Sampled verification of store hits (off by default).
+
+    A fraction of the requests that loaded KV from the store is set aside; later, off the request path
+    (``PrefixShare.verify()`` when the engine is idle, or ``prefixshare verify``), the replica runs each prompt
+    twice, loaded from the store and recomputed without it, and compares the first token's log-probabilities.
+    A mismatch quarantines the chunks, so the next request recomputes. This catches what no fingerprint field
+    can: two checkpoints of one shape under ``fingerprint.weights: headers``, a kernel or driver change.
+    """
+
+    model_config = _STRICT
+
+    sample: float = Field(0.0, ge=0, le=1, description="fraction of store hits to verify (0: off, 1: every hit)")
+    max_per_minute: float = Field(6.0, gt=0, le=6000, description="at most this many hits are set aside per "
+                                  "minute and engine (each costs one load and one recompute later)")
+    max_pending: int = Field(64, gt=0, le=10000, description="hits waiting for verification at most; more are "
+                             "dropped (counted as verify.dropped)")
+    top_logprobs: int = Field(5, ge=1, le=20, description="log-probabilities compared per run")
+    tolerance: float | None = Field(None, gt=0, le=10, description="largest difference of a first-token "
+                                    "log-probability that passes; default by KV dtype: float32 1e-3, float16 "
+                                    "0.05, bfloat16 0.1, fp8 0.25")
+
+    @property
+    def enabled(self) -> bool:
+        return self.sample > 0
+
+
 class Policy(BaseModel):
     """Everything prefixshare needs to know to share KV across replicas.
 
@@ -154,6 +181,7 @@ class Policy(BaseModel):
     server: ServerSettings = Field(default_factory=ServerSettings)
     load: LoadSettings = Field(default_factory=LoadSettings)
     fingerprint: FingerprintSettings = Field(default_factory=FingerprintSettings)
+    verify: VerifySettings = Field(default_factory=VerifySettings)
     #: rule config (see prefixshare.policies); None admits every prefix of at least one chunk.
     admission: Any = None
 

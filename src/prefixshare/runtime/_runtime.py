@@ -41,6 +41,7 @@ from prefixshare.keys import (
     REQ_PREFIX_TOKENS,
     REQ_STORE,
     REQ_TENANT,
+    REQ_VERIFY,
     admission_digest,
     engine_fingerprint,
     namespace,
@@ -50,6 +51,7 @@ from prefixshare.plan import kv_bytes_per_token, shape_from_config
 from prefixshare.policies import AdmissionRequest, ByteBudget, Decision, Policy, Rule, policy_from_mapping
 from prefixshare.runtime._cost import CostModel, info_enabled, store_key
 from prefixshare.runtime._stats import Stats, StatsPublisher
+from prefixshare.runtime._verify import HitSampler, VerifyTask, find_task, new_token
 
 
 def load_policy(extra: dict[str, Any]) -> Policy:
@@ -76,6 +78,8 @@ def _budget_rules(rule: Rule | None) -> list[ByteBudget]:
 
 
 _STORE_DISABLED = Decision(False, "request: store disabled", "request")
+_VERIFY_RUN = Decision(False, "verify: a verification run stores nothing", "verify")
+_VERIFY_REFUSED = Decision(False, "verify: not a verify task of this replica for this prompt", "verify")
 _NO_RULES = Decision(True, "no admission rules", "default")
 
 
@@ -100,6 +104,10 @@ class RequestInfo:
     admission_request: AdmissionRequest | None = None
     #: the request's own load mode (``prefixshare.load``); None: the policy's
     load_mode: str | None = None
+    #: a verification run (``prefixshare.verify``): stores nothing, is never sampled itself
+    verify_run: bool = False
+    #: a verification run's store salt: the original request's ("" for none), whatever the engine's salt
+    replay_salt: str | None = None
 
 
 class ConnectorRuntime(StatsPublisher):
@@ -142,6 +150,10 @@ class ConnectorRuntime(StatsPublisher):
         self.cost = CostModel(self.namespace, store=store_key(self.policy), kv_bytes_per_token=self.kv_bytes_per_token,
                               chunk_size=self.policy.chunk_size, mode=self.policy.load.mode,
                               log=self.log) if role == "scheduler" else None
+        #: sampled verification (scheduler side): which store hits are set aside to be checked later
+        verify = self.policy.verify
+        self.sampler = HitSampler(verify.sample, verify.max_per_minute, verify.max_pending, self.instance
+                                  ) if role == "scheduler" and verify.enabled else None
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._next_probe = 0.0
@@ -230,7 +242,9 @@ class ConnectorRuntime(StatsPublisher):
         elif mode is not None:
             self.log.warning("request.bad_param", request_id=request_id, key=REQ_LOAD, value=str(mode)[:40],
                              fix=f"one of {', '.join(LOAD_MODES)}; the policy's load.mode applies")
-        if params.get(REQ_STORE) is False:
+        if params.get(REQ_VERIFY):
+            decision = self._replay(info, params[REQ_VERIFY], prompt_token_ids)
+        elif params.get(REQ_STORE) is False:
             decision = _STORE_DISABLED
         elif self.rule is None:
             decision = _NO_RULES
@@ -260,6 +274,20 @@ class ConnectorRuntime(StatsPublisher):
         _metrics.admission(self.engine, decision.admit, reason)
         return info
 
+    def _replay(self, info: RequestInfo, token: Any, prompt_token_ids: Any) -> Decision:
+        """A verification run of a sampled hit (see :mod:`prefixshare.runtime._verify`): keyed with the task's
+        store salt; a token that names no task of this replica for this prompt loads nothing."""
+        info.verify_run = True
+        task = find_task(self.instance, token, prompt_token_ids)
+        if task is None:
+            info.load_mode = "never"
+            self.log.warning("request.bad_param", request_id=info.request_id, key=REQ_VERIFY, value=str(token)[:60],
+                             fix="a verify token of this replica's own sampled hits, with the hit's prompt; "
+                             "recomputed, nothing loaded or stored")
+            return _VERIFY_REFUSED
+        info.replay_salt = task.store_salt or ""
+        return _VERIFY_RUN
+
     def lora_id(self, name: str | None, path: str | None) -> str | None:
         """What salts a LoRA request's keys: the adapter's name AND a digest of its files (config and weights),
         so two replicas serving different adapters under one name never share KV. Hashed once per adapter and
@@ -282,6 +310,8 @@ class ConnectorRuntime(StatsPublisher):
         return lora_id
 
     def salt(self, info: RequestInfo, request_salt: str | None, lora_name: str | None = None) -> str | None:
+        if info.replay_salt is not None:  # a verification run: the sampled request's keys, not the engine salt's
+            return info.replay_salt
         return store_salt(info.tenant, request_salt, lora_name)
 
     def lookup_done(self, info: RequestInfo, hit_tokens: int, seconds: float | None) -> None:
@@ -355,6 +385,37 @@ class ConnectorRuntime(StatsPublisher):
             )
         self.publish()
         return info
+
+    def sample_hit(self, info: RequestInfo | None, token_ids: Any, *, cache_salt: str | None,
+                   store_salt: str | None, first_token: int | None, params: dict[str, Any] | None,
+                   lora: bool = False) -> bool:
+        """A finished request that loaded from the store: keep it for verification when sampled (see
+        :mod:`prefixshare.runtime._verify`). Never raises: verification must not cost a request."""
+        if (self.sampler is None or info is None or info.loaded_tokens <= 0 or info.verify_run
+                or not self.sampler.chosen(info.request_id)):
+            return False
+        why = "lora" if lora else self.sampler.admit()  # a LoRA request cannot be replayed without its adapter
+        if why is None:
+            ours = {k: v for k, v in (params or {}).items() if k in (REQ_DOCUMENT, REQ_TENANT, REQ_PREFIX_TOKENS)}
+            task = VerifyTask(self.instance, self.namespace, info.request_id, list(token_ids), info.loaded_tokens,
+                              cache_salt=cache_salt or None, store_salt=store_salt or None, params=ours,
+                              first_token=first_token, kv_dtype=self.fingerprint.engine.kv_dtype,
+                              sampled_at=time.time(), token=new_token())
+            try:
+                self.sampler.keep(task)
+            except OSError as exc:
+                self.log.warning("verify.keep_failed", request_id=info.request_id, error=str(exc))
+                why = "error"
+        with self._lock:
+            if why is None:
+                self.stats.verify_sampled += 1
+            else:
+                self.stats.verify_dropped[why] += 1
+        _metrics.verify(self.engine, "sampled" if why is None else "dropped")
+        if why is None:
+            self.log.info("verify.sampled", request_id=info.request_id, loaded_tokens=info.loaded_tokens)
+        self.publish()
+        return why is None
 
     # --- stats snapshot ------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -39,6 +39,9 @@ class Stats:
     fallbacks: Counter[str] = field(default_factory=Counter)
     admitted: int = 0
     refused: Counter[str] = field(default_factory=Counter)
+    #: store hits set aside for verification, and those not kept (by reason: rate, pending, lora, error)
+    verify_sampled: int = 0
+    verify_dropped: Counter[str] = field(default_factory=Counter)
     # the newest latencies only (a long-running engine must not grow these, nor sort them all on every publish)
     lookup_ms: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     load_ms: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
@@ -64,6 +67,8 @@ class Stats:
             "admitted": self.admitted,
             "refused": dict(self.refused),
             "fallbacks": dict(self.fallbacks),
+            "verify_sampled": self.verify_sampled,
+            "verify_dropped": dict(self.verify_dropped),
             "lookup_ms": summary(self.lookup_ms),
             "load_ms": summary(self.load_ms),
         }
@@ -368,6 +373,8 @@ def read_stats(instance: str) -> dict[str, Any]:
         total[name] = 0
     refused: Counter[str] = Counter()
     fallbacks: Counter[str] = Counter()
+    verify: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
     for rt in list(_LIVE):  # this process's own engines: write what is pending, no waiting for the thread
         if rt.instance == instance and rt.pending:
             rt.flush()
@@ -377,8 +384,13 @@ def read_stats(instance: str) -> dict[str, Any]:
         if snap is None:
             continue
         total["processes"] += 1
+        if snap.get("role") == "verifier":  # what the checking half judged (prefixshare.verify)
+            verify.update({k: int(snap.get(k) or 0) for k in VERDICTS})
+            continue
         if snap.get("role") != "scheduler":
             continue
+        verify["sampled"] += int(snap.get("verify_sampled") or 0)
+        dropped.update(snap.get("verify_dropped", {}))
         for name in counters:
             total[name] += snap.get(name, 0)
         refused.update(snap.get("refused", {}))
@@ -391,4 +403,28 @@ def read_stats(instance: str) -> dict[str, Any]:
         if "cost" in snap:
             total["cost"] = snap["cost"]
     total["refused"], total["fallbacks"] = dict(refused), dict(fallbacks)
+    total["verify"] = {"sampled": verify["sampled"], "dropped": dict(dropped),
+                       **{k: verify[k] for k in VERDICTS}}
     return total
+
+
+#: the verdicts of sampled verification (see prefixshare.verify), as counted in stats
+VERDICTS = ("ok", "mismatch", "unverifiable")
+
+
+def add_verdicts(instance: str, counts: dict[str, int]) -> None:
+    """Count verification verdicts in the instance's stats (one snapshot file per instance, role 'verifier';
+    its writer is the process that verifies, one at a time per instance)."""
+    path = run_dir() / "stats" / f"{instance}-verifier.json"
+    try:
+        snap = json.loads(path.read_text())
+    except (OSError, ValueError):
+        snap = {}
+    if not isinstance(snap, dict):
+        snap = {}
+    out = {"instance": instance, "role": "verifier", "pid": os.getpid(), "updated_at": time.time()}
+    for k in VERDICTS:
+        out[k] = int(snap.get(k) or 0) + int(counts.get(k, 0))
+    from prefixshare._files import write_private_atomic
+
+    write_private_atomic(path, json.dumps(out).encode(), stop=run_dir(), fsync=False)

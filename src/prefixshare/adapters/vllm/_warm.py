@@ -74,12 +74,23 @@ class VllmEngine:
             prompts.append(prompt)
             # max_tokens=1: a prefill yields its first token anyway; nothing more is decoded
             params.append(vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                              logprobs=req.top_logprobs or None,
                                               extra_args={"kv_transfer_params": dict(req.kv_transfer_params)}))
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [PrefillResult(int(out.num_cached_tokens or 0)) for out in outputs]
+        return [_result(out, req.top_logprobs) for out, req in zip(outputs, requests, strict=True)]
 
-    def reset_prefix_cache(self) -> None:
-        reset_vllm_prefix_cache(self.llm)
+    def reset_prefix_cache(self) -> bool:
+        return reset_vllm_prefix_cache(self.llm)
+
+
+def _result(out: Any, top_logprobs: int) -> PrefillResult:
+    cached = int(out.num_cached_tokens or 0)
+    if not top_logprobs:
+        return PrefillResult(cached)
+    comp = out.outputs[0]
+    first = int(comp.token_ids[0]) if comp.token_ids else None
+    top = comp.logprobs[0] if comp.logprobs else {}
+    return PrefillResult(cached, first, {int(t): float(lp.logprob) for t, lp in top.items()})
 
 
 def reset_vllm_prefix_cache(llm: Any, timeout_s: float = 10.0) -> bool:

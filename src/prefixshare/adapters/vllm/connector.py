@@ -129,8 +129,17 @@ class PrefixShareConnector(LMCacheMPConnector):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         side = self.scheduler_side
         stored = side.before_request_finished(request) if side is not None else 0
+        tracker = self.request_trackers.get(request.request_id)
+        store_salt = getattr(tracker, "cache_salt", None)
         result = super().request_finished(request, block_ids)
-        self.prefixshare.finish(request.request_id, stored)
+        info = self.prefixshare.finish(request.request_id, stored)
+        if self.prefixshare.sampler is not None and info is not None and info.loaded_tokens > 0:
+            outputs = request.output_token_ids
+            self.prefixshare.sample_hit(
+                info, request.prompt_token_ids or [], cache_salt=getattr(request, "cache_salt", None),
+                store_salt=store_salt, first_token=int(outputs[0]) if len(outputs) else None,
+                params=getattr(request, "kv_transfer_params", None),
+                lora=getattr(request, "lora_request", None) is not None)
         return result
 
     # --- worker role: WorkerSide's gate, then LMCache's connector ---------------------------------------------
