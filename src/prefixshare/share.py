@@ -121,6 +121,14 @@ class PrefixShare:
             cached = self._warm_engines[id(target)] = engine_for(self, target)
         return cached
 
+    def verify(self, engine: Any = None, *, limit: int | None = None, budget_s: float | None = None) -> Any:
+        """Check the store hits this instance's engines set aside (policy ``verify.sample``): each prompt loaded
+        and recomputed, compared, quarantined on a mismatch. Call it when the engine is idle; see
+        :mod:`prefixshare.verify`."""
+        from prefixshare.verify import verify_pending
+
+        return verify_pending(self, engine, limit=limit, budget_s=budget_s)
+
     # --- observability -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters of every engine attached under this instance (hits, tokens, bytes, latencies, refusals)."""

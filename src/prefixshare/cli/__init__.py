@@ -16,7 +16,7 @@ app = typer.Typer(
 
 # Command modules, in the order their commands are listed in --help. Heavy imports stay inside commands.
 _COMMAND_MODULES = ("_policy", "_fingerprint", "_plan", "_server", "_engines", "_model", "_warm", "_store",
-                    "_doctor", "_demo", "_bench")
+                    "_doctor", "_verify", "_demo", "_bench")
 
 
 _registered = False

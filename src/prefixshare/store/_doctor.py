@@ -283,6 +283,28 @@ def check_integrity(report: DoctorReport, policy: Policy, *, verify: bool) -> No
         report.add("integrity", OK, f"no damaged objects ({how})", damaged=[], verified=verify)
 
 
+def check_verification(report: DoctorReport, policy: Policy) -> None:
+    """Sampled verification's findings: store hits whose answer differed from a recompute (see prefixshare.verify)."""
+    from prefixshare.verify import mismatch_records
+
+    records = mismatch_records(policy)
+    if records:
+        namespaces = sorted({str(r.get("namespace")) for r in records})
+        newest = records[0]
+        report.add("verification", WARN, f"{len(records)} store hits answered differently from a recompute "
+                   f"(namespaces {', '.join(namespaces)}; newest: {newest.get('tokens')} tokens, "
+                   f"{(newest.get('comparison') or {}).get('reason') or 'log-probabilities differ'}); their chunks "
+                   "are quarantined", "find why KV under one namespace differs: fingerprint.weights: headers with two "
+                   "checkpoints of one shape (use content), or an engine or kernel change; then remove the records "
+                   f"({policy.store_root}/.prefixshare/verify)", mismatches=len(records), namespaces=namespaces)
+    elif policy.verify.enabled:
+        report.add("verification", OK, f"no mismatches recorded (verify.sample {policy.verify.sample:g})",
+                   mismatches=0)
+    else:
+        report.add("verification", INFO, "sampled verification of store hits is off", "set verify: {sample: 0.01} "
+                   "in the policy and call PrefixShare.verify() when the engine is idle", mismatches=0)
+
+
 def check_store_keys(report: DoctorReport, policy: Policy) -> None:
     """Every keyed fs tier's key variables are set and well formed in this process (the server inherits them)."""
     from prefixshare.server.plugins.integrity import StoreKeyError, tier_keyring
@@ -399,6 +421,7 @@ def doctor(policy: Policy, *, model: str | None = None, verify: bool = False) ->
     check_hashing(report, policy, running)
     check_store(report, policy)
     check_integrity(report, policy, verify=verify)
+    check_verification(report, policy)
     check_fingerprint(report, policy, model)
     check_telemetry(report, running, policy)
     return report

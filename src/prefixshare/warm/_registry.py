@@ -13,9 +13,12 @@ directories of mode 0o750. Only JSON is ever read.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,10 +71,33 @@ class DocumentRecord(BaseModel):
     host: str
     seconds: float | None = None
     prefixshare_version: str | None = None
+    #: the prefix's token ids (u32 little-endian, base64): what ``prefixshare verify`` replays; checked
+    #: against ``prefix_digest`` when read (None in records of earlier versions)
+    prefix_ids: str | None = None
+
+    def prefix_token_ids(self) -> list[int] | None:
+        """The warmed prefix's token ids, or None when the record has none or they do not match its digest."""
+        from prefixshare.warm._template import tokens_digest
+
+        if not self.prefix_ids:
+            return None
+        try:
+            raw = base64.b64decode(self.prefix_ids, validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        if len(raw) != 4 * self.tokens:
+            return None
+        ids = list(struct.unpack(f"<{self.tokens}I", raw))
+        return ids if tokens_digest(ids) == self.prefix_digest else None
 
     def chunk_files(self) -> list[str]:
         return [chunk_file_name(self.namespace, rank, group, h, self.salt)
                 for h in self.chunk_hashes for rank, group in self.objects]
+
+
+def encode_ids(ids: list[int]) -> str:
+    """Token ids as :attr:`DocumentRecord.prefix_ids` holds them."""
+    return base64.b64encode(struct.pack(f"<{len(ids)}I", *ids)).decode("ascii")
 
 
 def safe_name(doc_id: str) -> str:

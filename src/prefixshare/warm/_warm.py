@@ -32,7 +32,7 @@ from prefixshare.policies import AdmissionRequest
 from prefixshare.warm._chunks import NamespaceIndex
 from prefixshare.warm._documents import Document, DocumentError, _from_string, _pair, resolve_documents, split_text
 from prefixshare.warm._lookup import CALL_TIMEOUT_S, Held, LookupUnavailable, ServerLookup
-from prefixshare.warm._registry import DocumentRecord, Registry
+from prefixshare.warm._registry import DocumentRecord, Registry, encode_ids
 from prefixshare.warm._template import Template, as_template, prefix_ids, question_ids, tokens_digest
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -628,7 +628,8 @@ class _WarmRun:
             if res is None or res.status not in (WARMED, SKIPPED):
                 continue
             existing = registry.get(self.fp.digest, item.doc.id)
-            if res.status == SKIPPED and existing is not None and existing.prefix_digest == tokens_digest(item.ids):
+            if (res.status == SKIPPED and existing is not None and existing.prefix_ids
+                    and existing.prefix_digest == tokens_digest(item.ids)):
                 continue
             registry.put(_record(item, res, self.fp.digest, self.ns, self.policy.chunk_size, objects, self.salt,
                                  self.tenant, self.template, model_dir, self.eng.kind))
@@ -709,7 +710,7 @@ def _record(item: _Planned, res: DocumentResult, fingerprint: str, ns: str, chun
         chunk_hashes=item.hashes, objects=objects, salt=salt, tenant=tenant, bytes=res.bytes,
         fingerprint=fingerprint, namespace=ns, model=model_dir, engine=engine,
         warmed_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=socket.gethostname(),
-        seconds=res.seconds, prefixshare_version=__version__,
+        seconds=res.seconds, prefixshare_version=__version__, prefix_ids=encode_ids(item.ids),
     )
 
 
