@@ -47,7 +47,7 @@ LAYERS = [
     {"keys"},
     {"runtime", "server", "model"},
     {"adapters"},
-    {"warm"},
+    {"warm", "verify"},
     {"share"},
     {"store", "bench", "demo"},
     {"cli"},

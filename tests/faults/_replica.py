@@ -12,6 +12,7 @@ Spec: {"model": DIR, "policy": {...}|null, "instance": STR, "engine": {LLM kwarg
          {"op": "pause", "name": STR},             # write CONTROL/NAME.ready, wait for CONTROL/NAME.go
          {"op": "warm", "name": STR, "docs": [[ID, TEXT], ...], "tenant": STR|null, "force": BOOL},
          {"op": "prompt", "name": STR, "doc": [ID, TEXT], "question": STR, "tenant": STR|null, "reset": BOOL},
+         {"op": "verify", "name": STR, "limit": N},  # PrefixShare.verify(): check the hits set aside
          {"op": "sleep", "seconds": S}]}
 """
 
@@ -112,6 +113,9 @@ def main() -> None:
             res = generate(step["ids"], step, step.get("params"), step.get("cache_salt"))
         elif op == "pause":
             res = {"waited_s": _pause(control, name)}
+        elif op == "verify":
+            assert ps is not None
+            res = {"report": ps.verify(llm, limit=step.get("limit")).to_dict(), "stats": stats()}
         elif op == "sleep":
             time.sleep(float(step["seconds"]))
             res = {}
