@@ -400,3 +400,50 @@ rt.close()
     assert reachable is False and down is False  # refused port: skipped, and known down until a probe answers
     assert prefill_n >= 1 and not timed  # each checkpoint timed a prefill chunk; forgotten at release
     assert sglang_loaded is False
+
+
+def test_a_transfer_that_fails_to_submit_is_dropped_not_raised_into_the_engine_step() -> None:
+    """A server that stops between the port check and the submit (a restart under load): LMCache's submit raises
+    inside vLLM's forward pass, which would stop the engine. The worker side clears the health flag and hands
+    the step's unsubmitted transfers to LMCache's degraded path (stores dropped, loads flagged failed)."""
+    import threading
+    from types import SimpleNamespace
+
+    from prefixshare.adapters.vllm.connector import WorkerSide
+
+    class Adapter:
+        def __init__(self) -> None:
+            self._health_event = threading.Event()
+            self._health_event.set()
+            self.store_futures: dict[str, object] = {"r3": object()}  # r3's future of an earlier step
+            self.retrieve_futures: dict[str, object] = {}
+            self.dropped: list[str] = []
+
+        def submit_store_request(self, rid: str, op: object, event: object, cache_salt: str = "",
+                                 request_configs: object = None) -> None:
+            if not self._health_event.is_set():
+                self.dropped.append(rid)
+                return
+            if rid == "r2":
+                raise TimeoutError("PREPARE_STORE timed out after 2.0s")
+            self.store_futures[rid] = object()
+
+    adapter = Adapter()
+    metas = [SimpleNamespace(direction="STORE", request_id=r, op=None, cache_salt="", request_configs=None)
+             for r in ("r1", "r2", "r3")]
+    events: list[tuple[str, dict]] = []
+    log = SimpleNamespace(warning=lambda event, **kw: events.append((event, kw)))
+    connector = SimpleNamespace(worker_adapter=adapter, _get_connector_metadata=lambda: SimpleNamespace(requests=metas),
+                                prefixshare=SimpleNamespace(log=log))
+    side = WorkerSide(connector, None)  # type: ignore[arg-type]
+    with side.submitting("STORE"):
+        for m in metas:  # what LMCache's wait_for_save does
+            adapter.submit_store_request(m.request_id, m.op, None)
+    assert not adapter._health_event.is_set()
+    assert adapter.dropped == ["r2", "r3"]  # r1 was submitted before the failure; r3's old future is not this step's
+    [(event, fields)] = events
+    assert event == "store.transfer_failed" and fields["requests"] == 2 and "PREPARE_STORE" in fields["error"]
+
+    bare = SimpleNamespace(worker_adapter=None, _get_connector_metadata=lambda: None, prefixshare=connector.prefixshare)
+    with pytest.raises(TimeoutError), WorkerSide(bare, None).submitting("STORE"):  # type: ignore[arg-type]
+        raise TimeoutError("no adapter: nothing to degrade to")

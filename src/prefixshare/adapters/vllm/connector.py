@@ -27,8 +27,10 @@ own connectors do: the scheduler process delegates to :class:`SchedulerSide`, ea
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
@@ -149,14 +151,22 @@ class PrefixShareConnector(LMCacheMPConnector):
             self.worker_side.check_format(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self.worker_side is not None:
-            self.worker_side.gate("RETRIEVE")
-        super().start_load_kv(forward_context, **kwargs)
+        side = self.worker_side
+        if side is None:
+            super().start_load_kv(forward_context, **kwargs)
+            return
+        side.gate("RETRIEVE")
+        with side.submitting("RETRIEVE"):
+            super().start_load_kv(forward_context, **kwargs)
 
     def wait_for_save(self) -> None:
-        if self.worker_side is not None:
-            self.worker_side.gate("STORE")
-        super().wait_for_save()
+        side = self.worker_side
+        if side is None:
+            super().wait_for_save()
+            return
+        side.gate("STORE")
+        with side.submitting("STORE"):
+            super().wait_for_save()
 
     # --- both roles -----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -463,6 +473,48 @@ class WorkerSide:
         """The namespace's layout label must describe the KV LMCache copies from; stop the engine if not."""
         tensors, hints = _compat.registered_kv(self.connector, kv_caches)
         verify_registered(self.connector.prefixshare, tensors, hints, "vllm")
+
+    @contextlib.contextmanager
+    def submitting(self, direction: str) -> Iterator[None]:
+        """Submitting a step's transfers never fails the engine step.
+
+        The port check above cannot close the race with a server that stops right after it (a restart under
+        load): LMCache's submit then raises (its RPC times out) inside vLLM's forward pass, and vLLM stops the
+        engine. Here a submit that raises clears the worker's health flag, as the gate does, and the step's
+        transfers that were not submitted take LMCache's degraded path: stores are dropped (the KV is simply
+        not stored), retrieves are reported as failed loads, which the engine recomputes
+        (``kv_load_failure_policy=recompute``). The heartbeat sets the flag again when the server answers."""
+        adapter = getattr(self.connector, "worker_adapter", None)
+        futures = getattr(adapter, "retrieve_futures" if direction == "RETRIEVE" else "store_futures", {})
+        before = {rid: id(f) for rid, f in futures.items()}
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - whatever LMCache raised, the step must go on
+            event = _compat.worker_health_event(adapter)
+            if adapter is None or event is None:
+                raise
+            event.clear()
+            dropped = self._degrade(adapter, direction, futures, before)
+            self.connector.prefixshare.log.warning(
+                "store.transfer_failed", side="worker", direction=direction.lower(), error=f"{type(exc).__name__}: "
+                f"{exc}"[:300], requests=dropped, action="stores dropped, loads recomputed; resume when the "
+                "server answers")
+
+    def _degrade(self, adapter: Any, direction: str, futures: dict[str, Any], before: dict[str, int]) -> int:
+        """Submit, with the health flag cleared, the step's transfers of ``direction`` that were not submitted
+        before the failure: LMCache then drops them (stores) or flags them failed (retrieves)."""
+        metadata = self.connector._get_connector_metadata()
+        submit = adapter.submit_retrieve_request if direction == "RETRIEVE" else adapter.submit_store_request
+        dropped = 0
+        for meta in getattr(metadata, "requests", ()):
+            if getattr(meta, "direction", None) != direction:
+                continue
+            current = futures.get(meta.request_id)
+            if current is not None and before.get(meta.request_id) != id(current):
+                continue  # submitted in this step before the failure: it completes (or fails) on its own
+            submit(meta.request_id, meta.op, None, cache_salt=meta.cache_salt, request_configs=meta.request_configs)
+            dropped += 1
+        return dropped
 
     def gate(self, direction: str) -> None:
         """Before submitting stores (or retrieves) to the server, make sure it is still there.
