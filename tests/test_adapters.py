@@ -447,3 +447,23 @@ def test_a_transfer_that_fails_to_submit_is_dropped_not_raised_into_the_engine_s
     bare = SimpleNamespace(worker_adapter=None, _get_connector_metadata=lambda: None, prefixshare=connector.prefixshare)
     with pytest.raises(TimeoutError), WorkerSide(bare, None).submitting("STORE"):  # type: ignore[arg-type]
         raise TimeoutError("no adapter: nothing to degrade to")
+
+
+def test_a_byte_budget_holds_for_requests_admitted_together(tmp_path: Path) -> None:
+    """Bytes are reserved at admission: requests in flight together cannot each pass the check against what was
+    committed before any of them. What a request does not store is released when it finishes."""
+    from prefixshare.runtime import ConnectorRuntime
+
+    kv = 64 * 4 * 2 * 64 * 2 * 4  # one 64-token chunk of the tiny model, fp32
+    policy = Policy.build(chunk_size=64, l2=[{"type": "fs", "base_path": str(tmp_path)}],
+                          server={"port": free_port(), "http_port": free_port()},
+                          admission={"byte_budget": {"max": 2 * kv}})
+    rt = _scheduler(tmp_path, policy, "budget")
+    assert rt.kv_bytes_per_token * 64 == kv
+    first, second, third = (rt.begin(f"r{i}", list(range(i * 1000, i * 1000 + 64)), None) for i in range(3))
+    assert first.admitted and second.admitted and not third.admitted  # in flight together: the third is refused
+    assert rt.begin("again", list(range(64)), None).admitted  # the first's prefix again: already counted
+    rt.finish("r0", 0)  # stored nothing (e.g. found in the store): its reservation is released
+    rt.finish("r1", 64)  # stored its chunk: stays counted
+    assert rt.begin("r3", list(range(3000, 3064)), None).admitted
+    assert not rt.begin("r4", list(range(4000, 4064)), None).admitted

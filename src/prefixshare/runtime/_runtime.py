@@ -22,7 +22,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,8 @@ class RequestInfo:
     fallback: str | None = None
     stored_tokens: int = 0
     admission_request: AdmissionRequest | None = None
+    #: per byte budget of the policy: whether this request reserved its prefix's bytes at admission
+    reserved: list[bool] = field(default_factory=list)
     #: the request's own load mode (``prefixshare.load``); None: the policy's
     load_mode: str | None = None
     #: a verification run (``prefixshare.verify``): stores nothing, is never sampled itself
@@ -261,6 +263,11 @@ class ConnectorRuntime(StatsPublisher):
             info.admission_request = req
             decision = self.rule(req)
         info.admitted, info.reason = decision.admit, decision.reason
+        if decision.admit and info.admission_request is not None and self._budgets:
+            # reserved now, not when the request finishes: requests admitted together would each pass the check
+            # against what was committed before any of them (16 concurrent clients overshot a 48 MiB budget by
+            # a fifth); what a request ends up not storing is released at finish
+            info.reserved = [budget.commit(info.admission_request) for budget in self._budgets]
         if prefix_tokens:
             info.store_limit = int(prefix_tokens)
         reason = decision.reason.split(":", 1)[0]
@@ -373,9 +380,12 @@ class ConnectorRuntime(StatsPublisher):
             self.stats.bytes_loaded += info.loaded_tokens * self.kv_bytes_per_token
         if stored:
             _metrics.stored(self.engine, stored, stored * self.kv_bytes_per_token)
-        if stored and info.admission_request is not None:
-            for budget in self._budgets:
-                budget.commit(info.admission_request)
+        if info.admission_request is not None:
+            for budget, reserved in zip(self._budgets, info.reserved or [False] * len(self._budgets), strict=True):
+                if stored:
+                    budget.commit(info.admission_request)  # (a no-op when reserved: counted once per prefix)
+                elif reserved:
+                    budget.release(info.admission_request)  # reserved at admission, nothing written
         if info_enabled():
             self.log.info(
                 "request.finished", request_id=request_id, prompt_tokens=info.prompt_tokens,
