@@ -117,7 +117,9 @@ class PrefixShareConnector(LMCacheMPConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         side = self.scheduler_side
-        loading = side is not None and side.loading()
+        # only steps that compute tokens are timed (on_step_scheduled); while lookups are pending the engine
+        # steps with nothing scheduled, dozens of times per request, and needs no scan of every tracker
+        loading = side is not None and scheduler_output.total_num_scheduled_tokens > 0 and side.loading()
         meta = super().build_connector_meta(scheduler_output)
         if side is not None:
             side.on_step_scheduled(scheduler_output, loading)
@@ -199,6 +201,9 @@ class SchedulerSide:
         self.decided: set[str] = set()
         self.present: dict[str, int] = {}
         self.abandoned: set[str] = set()
+        #: a pending lookup's deadline, computed on its first pending step (the engine steps dozens of times
+        #: while one lookup runs; the estimates it is computed from do not change meanwhile)
+        self.deadlines: dict[str, float | None] = {}
 
     @property
     def chunk(self) -> int:
@@ -314,7 +319,11 @@ class SchedulerSide:
         """A lookup that outlives the load timeout (or the cost model's deadline) is abandoned: the engine
         recomputes. The server's prefetch may still be running; its locks are released at request_finished."""
         waited = time.monotonic() - started
-        deadline = self.cost_deadline(request, num_computed_tokens)
+        rid = request.request_id
+        if rid in self.deadlines:
+            deadline = self.deadlines[rid]
+        else:
+            deadline = self.deadlines[rid] = self.cost_deadline(request, num_computed_tokens)
         if waited <= self.lookup_timeout_s and (deadline is None or waited <= deadline):
             return False
         self.lmcache.cleanup_lookup_result(request.request_id)
@@ -455,6 +464,7 @@ class SchedulerSide:
             if end > 0:
                 self.free_locks(request, tracker, end)
         self.decided.discard(rid)
+        self.deadlines.pop(rid, None)
         if self.runtime.cost is not None:
             self.runtime.cost.forget(rid)
         return stored
