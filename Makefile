@@ -11,7 +11,7 @@ export LMCACHE_DISABLE_BANNER := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-quick lock clean services gpu-wheels gpu-check
+.PHONY: venv test test-fast demo bench bench-soak bench-quick lock clean services gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -57,8 +57,16 @@ demo: $(STAMP)
 	$(VENV)/bin/prefixshare demo
 
 # The full benchmark (about 10 minutes on 2 CPU cores); writes docs/benchmarks.md and docs/benchmarks/.
-bench: $(STAMP)
+# Then the fleet under load against the same replicas without prefixshare (about 10 minutes;
+# docs/benchmarks/load.json, shown in docs/reliability.md by tests/faults/render.py --write).
+bench: $(STAMP) services
 	$(VENV)/bin/prefixshare bench $(BENCH_ARGS)
+	$(PY) tests/load/fleet.py --full
+
+# The soak: the fleet's workload at a steady rate for 30 minutes, every process's memory and file descriptors,
+# /dev/shm and the store sampled each minute (docs/benchmarks/soak.json and soak.png).
+bench-soak: $(STAMP) services
+	$(PY) tests/load/fleet.py --soak 1800
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/prefixshare bench --quick $(BENCH_ARGS)

@@ -25,14 +25,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-AREAS = ("store down", "corruption", "compatibility", "isolation and exposure", "concurrency", "resource limits",
-         "bad input")
+AREAS = ("store down", "corruption", "compatibility", "isolation and exposure", "concurrency", "under load",
+         "resource limits", "bad input")
 ENGINES = ("vllm", "sglang", "none")
 RUN_ENV = "PREFIXSHARE_FAULT_RUN"
 COMMIT_ENV = "PREFIXSHARE_FAULT_COMMIT"
-#: machine noise the tests allow on top of a latency budget (2 shared CPU cores, other engines running beside);
-#: the page marks rows against the budget itself and states this tolerance separately
-SLACK_S = 1.0
 #: machine noise the tests allow on top of a latency budget (2 shared CPU cores, other engines running beside);
 #: the page marks rows against the budget itself and states this tolerance separately
 SLACK_S = 1.0

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from faults._matrix import AREAS, ROOT, SLACK_S, Row, load_raw, results_path  # noqa: E402
 
-COMMAND = ".venv/bin/python -m pytest tests/faults tests/e2e/test_tiers.py -q && .venv/bin/python tests/faults/render.py --write"
+COMMAND = (".venv/bin/python -m pytest tests/faults tests/e2e/test_tiers.py tests/load -q && "
+           ".venv/bin/python tests/faults/render.py --write")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 OVER = "**over budget**"
 
@@ -41,8 +42,8 @@ bad input.
 > {rows} rows, {engine_rows} with a real inference engine, {over} over budget. The raw rows are
 > [`reliability.jsonl`](reliability.jsonl).
 
-Every row below was recorded in that one run, by a test of `tests/faults/` (and, for the network tiers, of
-`tests/e2e/test_tiers.py`) after its assertions passed; every figure is what the test observed: the
+Every row below was recorded in that one run, by a test of `tests/faults/` (for the network tiers, of
+`tests/e2e/test_tiers.py`; for the fleet, of `tests/load/`) after its assertions passed; every figure is what the test observed: the
 connector's own counters, answers compared with a cold engine's, wall times. {engine_rows} of the {rows} rows
 ran a real inference engine ({engines}) against real LMCache multiprocess servers and real stores
 (directories{tiers}); the other {no_engine} exercise the store tools, the policy loader and the CLI without an
@@ -121,8 +122,10 @@ Faults we could not make safe, or bounds we could only measure:
   `mq_timeout` (the load timeout) when the server is gone: 5.8 s against a 2 s budget in
   `test_store_down_means_recompute_within_the_timeout`. The connector now clears LMCache's health flag when
   the port refuses, so LMCache drops the transfers at once and its heartbeat re-registers the KV caches when
-  the server returns. A server that dies *between* the check and the RPC (a window of microseconds) still
-  costs up to two timeouts for that one step.
+  the server returns. A server that dies *between* the check and the RPC still costs up to one RPC timeout
+  for that step; the step's transfers are then dropped (stores) or reported failed and recomputed (loads).
+  Until the fleet load test restarted a server under 16 clients, that failed RPC was raised into vLLM's
+  forward pass and stopped the engine.
 * **Sharing a document with chosen tenants is not supported.** A document is either untenanted (read by
   untenanted requests only) or a tenant's. There is no per-document allow list; a tenant that needs a shared
   document warms its own copy (the store then holds it once per tenant).
@@ -201,8 +204,77 @@ def _span_minutes(first: str, last: str) -> str:
     return f"{(t1 - t0).total_seconds() / 60:.0f}"
 
 
-def render(rows: list[Row]) -> str:
-    """The page of one run's rows (RenderError when they come from several runs)."""
+FLEET = """## The fleet under load, and the soak (`make bench`, `make bench-soak`)
+
+These come from their own runs (named in each table), not from the fault suite's run above: the full fleet
+run compares prefixshare's replicas with the same replicas without it, and the soak runs for 30 minutes. The
+fault suite's own fleet row (16 clients for 45 s, with a server restart and an unreadable store) is in
+*Under load* above. Workload: 30 generated documents with Zipf popularity (exponent 1.1), two tenants, chat
+prompts with the document in the system message, 6 greedy tokens streamed; two `vllm serve` replicas (tiny
+model, one CPU core each), each with its node's LMCache MP server, one shared fs store. Every answer is
+compared with a cold reference (a replica without prefixshare answering each distinct prompt alone).
+"""
+
+
+def fleet_section(bench: Path) -> str:
+    """The full fleet run and the soak, from ``docs/benchmarks/load.json`` and ``soak.json`` when present."""
+    load = _read(bench / "load.json")
+    soak = _read(bench / "soak.json")
+    if load is None and soak is None:
+        return ""
+    out = [FLEET]
+    if load is not None:
+        out.append(f"**Fleet run `{load['run_id']}`** on commit `{load['commit']}` ({load['recorded_at']}; "
+                   f"{load['concurrency']} clients, {load['duration_s']:g} s per workload):\n")
+        out.append("| workload | replicas | requests | errors | wrong answers | hit rate | TTFT p50 / p99, hits | "
+                   "TTFT p50 / p99, misses | throughput (req/s) |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for key, name in (("raw_unique", "0 % hits"), ("prefixshare_unique", "0 % hits"),
+                          ("raw_zipf", "Zipf"), ("prefixshare_zipf", "Zipf, with faults")):
+            r = load["runs"].get(key)
+            if r is None:
+                continue
+            out.append(f"| {name} | {'prefixshare' if r['prefixshare'] else 'without prefixshare'} | {r['requests']} | "
+                       f"{r['errors']} | {r['wrong_answers'] if r['compared_with_cold'] else '–'} | "
+                       f"{_cell(r['hit_rate'])} | {_pair(r, 'hit')} | {_pair(r, 'miss')} | {r['throughput_rps']} |")
+        out.append("\n| goal | value | |\n|---|---|---|")
+        for key, goal in load["goals"].items():
+            out.append(f"| {key} {goal['goal']} | {_cell(goal['value'])} | {'pass' if goal['pass'] else '**MISS**'} |")
+        out.append("")
+    if soak is not None:
+        out.append(f"**Soak `{soak['run_id']}`** on commit `{soak['commit']}` ({soak['recorded_at']}): "
+                   f"{soak['duration_s'] / 60:.0f} min at {soak['rate_rps']:g} requests/s, resources sampled every "
+                   f"{soak['sample_every_s']:g} s, growth measured after {soak['warmup_s'] / 60:.0f} min; "
+                   f"{soak['summary']['requests']} requests, {soak['summary']['errors']} errors, "
+                   f"{soak['summary']['wrong_answers']} wrong answers.\n")
+        out.append("![soak](benchmarks/soak.png)\n")
+        out.append("| resource | first | last | growth | slope (% per 25 min) | rising steps |")
+        out.append("|---|---|---|---|---|---|")
+        for key, g in sorted(soak["growth"].items()):
+            if "growth_pct" in g:
+                out.append(f"| {key} | {g['first']:.0f} | {g['last']:.0f} | {g['growth_pct']:+.2f} % | "
+                           f"{g['slope_pct_per_25min']:+.2f} | {g['rising_steps']}/{g['steps']} |")
+        out.append("\n| goal | value | |\n|---|---|---|")
+        for key, goal in soak["goals"].items():
+            out.append(f"| {key} {goal['goal']} | {_cell(goal['value'])} | {'pass' if goal['pass'] else '**MISS**'} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _pair(r: dict[str, Any], kind: str) -> str:
+    p50, p99 = r.get(f"ttft_{kind}_p50_s"), r.get(f"ttft_{kind}_p99_s")
+    return "–" if p50 is None else f"{p50:.3f} / {p99:.3f} s"
+
+
+def render(rows: list[Row], extra: str = "") -> str:
+    """The page of one run's rows (RenderError when they come from several runs), then ``extra`` sections."""
     ids = sorted({r.run_id for r in rows})
     if len(ids) != 1 or not ids[0]:
         raise RenderError(f"the rows come from {len(ids)} runs ({', '.join(map(repr, ids))}): render one run")
@@ -254,6 +326,8 @@ def render(rows: list[Row]) -> str:
     cross = (f"{tenants.extra['cross_tenant_hits']} cross-tenant hits in {tenants.extra.get('cross_tenant_requests')} "
              "cross-tenant requests" if tenants is not None else "cross-tenant hits not measured in this run")
     out.append(SIDE_CHANNEL.format(leak=leak, salted=salted, cross=cross))
+    if extra:
+        out.append(extra)
     out.append(LIMITS.format(slack=SLACK_S))
     return "\n".join(out).rstrip() + "\n"
 
@@ -273,7 +347,7 @@ def main(argv: list[str]) -> int:
         return 1
     try:
         run, chosen = select(raw, args.run)
-        text = render([Row.from_dict(r) for r in chosen])
+        text = render([Row.from_dict(r) for r in chosen], fleet_section(args.docs / "benchmarks"))
     except RenderError as exc:
         print(f"render.py: {exc}", file=sys.stderr)
         return 2
