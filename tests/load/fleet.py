@@ -148,7 +148,7 @@ class Answer:
 
     @property
     def hit(self) -> bool:
-        """The replica computed at most the prompt's last chunk: the document came from a cache."""
+        """At least one chunk of the prompt came from a cache (the replica's own prefix cache or the store)."""
         return self.error is None and self.cached_tokens >= CHUNK
 
 
