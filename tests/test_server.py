@@ -213,3 +213,16 @@ def test_a_keyed_store_is_read_only_by_servers_holding_its_key(tmp_path: Path, m
     monkeypatch.delenv("PS_TEST_KEY")
     with pytest.raises(StoreKeyError, match="PS_TEST_KEY is not set"):
         LMCacheServer(make_policy(store, l2=keyed)).start()
+
+
+def test_a_store_path_that_is_a_file_fails_the_start_with_its_cause(tmp_path: Path) -> None:
+    # what a server restarted while its store is replaced or unmounted meets (the fleet load test found it)
+    store = tmp_path / "kv"
+    policy = make_policy(store, server={"port": free_port(), "http_port": free_port(), "start_timeout_s": 90})
+    store.rmdir() if store.is_dir() else None  # valid when the policy was read (it refuses a file), then replaced
+    store.write_text("not a directory\n")
+    with pytest.raises(ServerError) as info:
+        LMCacheServer(policy).start()
+    text = str(info.value)
+    assert "exists but is not a directory" in text and str(store) in text, text
+    assert store.read_text() == "not a directory\n"  # nothing was lost or replaced

@@ -289,32 +289,43 @@ def _tree(table: dict[int, tuple[int, bytes, bytes]], root: int) -> list[int]:
 
 
 class Faults:
-    """Faults injected while the clients run, each at its time, each noting what shows it happened."""
+    """Faults injected while the clients run, one after another, each noting what shows it happened.
+
+    A fault starts at its time or when the one before it has ended, whichever is later: two faults that
+    overlap are a different fault (a server restarted while its store is unreadable does not start at all:
+    LMCache creates the store directory at start), and under load a restart can take most of a minute (the
+    new server's imports compete with two engines for the cores)."""
 
     def __init__(self, fleet: Fleet, t0: float) -> None:
         self.fleet, self.t0 = fleet, t0
         self.log: list[dict[str, Any]] = []
-        self._threads: list[threading.Thread] = []
+        self._plan: list[tuple[float, str, Callable[[], dict[str, Any]]]] = []
+        self._thread: threading.Thread | None = None
 
     def at(self, seconds: float, name: str, action: Callable[[], dict[str, Any]]) -> None:
+        assert self._thread is None, "schedule every fault before the first one starts"
+        self._plan.append((seconds, name, action))
+
+    def start(self) -> None:
         def run() -> None:
-            time.sleep(max(0.0, self.t0 + seconds - time.monotonic()))
-            began = time.monotonic() - self.t0
-            try:
-                observed = action()
-            except Exception as exc:  # noqa: BLE001 - a fault that could not be injected is reported, not hidden
-                observed = {"error": f"{type(exc).__name__}: {exc}"}
-            self.log.append({"fault": name, "from_s": round(began, 2), "to_s": round(time.monotonic() - self.t0, 2),
-                             **observed})
+            for seconds, name, action in sorted(self._plan, key=lambda p: p[0]):
+                time.sleep(max(0.0, self.t0 + seconds - time.monotonic()))
+                began = time.monotonic() - self.t0
+                try:
+                    observed = action()
+                except Exception as exc:  # noqa: BLE001 - a fault that could not be injected is reported, not hidden
+                    observed = {"error": f"{type(exc).__name__}: {exc}"}
+                self.log.append({"fault": name, "planned_s": seconds, "from_s": round(began, 2),
+                                 "to_s": round(time.monotonic() - self.t0, 2), **observed})
 
-        thread = threading.Thread(target=run, name=f"fault-{name}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        self._thread = threading.Thread(target=run, name="faults", daemon=True)
+        self._thread.start()
 
-    def join(self, timeout_s: float = 120.0) -> None:
-        for thread in self._threads:
-            thread.join(timeout_s)
-            assert not thread.is_alive(), f"fault {thread.name} did not finish in {timeout_s} s"
+    def join(self, timeout_s: float = 180.0) -> None:
+        if self._thread is None:
+            return
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"the faults did not finish in {timeout_s} s"
 
     def restart_server(self, node: str) -> dict[str, Any]:
         """Stop node ``node``'s MP server and start it again on the same ports."""
@@ -387,6 +398,7 @@ def drive(fleet: Fleet, source: Any, texts: dict[str, str] | Callable[[str], str
     faults = Faults(fleet, t0)
     if schedule is not None:
         schedule(faults)
+        faults.start()
     text_of = texts if callable(texts) else texts.__getitem__
     answers = asyncio.run(_clients(fleet, model, source, text_of, t0, duration_s, concurrency, rate, max_requests))
     faults.join()

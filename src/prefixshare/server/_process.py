@@ -33,6 +33,9 @@ _LIKELY_CAUSES: tuple[tuple[str, str], ...] = (
     ("Address already in use", "a port of the policy is taken by another process: change server.port / server.http_port"),
     ("requires --l1-size-gb and --eviction-policy", "l1 settings are incomplete"),
     ("No module named", "a Python module the server needs is missing (see the log line above); install the tier's extra"),
+    ("[Errno 17] File exists", "an fs tier's base_path is a file, not a directory (a store that is unmounted or "
+     "replaced?): LMCache creates the directory at start; until the server starts, its replicas recompute"),
+    ("[Errno 20] Not a directory", "a parent of an fs tier's base_path is a file, not a directory"),
     ("--l2-adapter", "LMCache rejected an l2 tier's settings (see the log line above)"),
     ("Permission denied", "the server cannot write a path of the policy (check l2 base_path permissions)"),
     ("Cannot allocate memory", "l1.size_gb is larger than the memory available"),
@@ -183,7 +186,10 @@ class LMCacheServer:
                                   f"change {what} in the policy")
         for tier in self.policy.l2:
             require_client(tier)
-            tier.prepare()
+            try:
+                tier.prepare()
+            except OSError as exc:  # the tier's path: named, with the fix, as a server error like the rest
+                raise ServerError(f"l2 tier {tier.describe()} cannot be used: {exc}") from exc
             tier_keyring(tier)  # a missing or malformed store key stops the start here, named, not in its log
             # LMCache connects to remote tiers lazily: a server over an unreachable tier starts "healthy" and
             # misses forever. Say so now, naming the tier. (A launcher may give the server another network or

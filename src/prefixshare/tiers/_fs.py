@@ -132,6 +132,9 @@ class FsTier(TierConfig):
         path = Path(self.base_path)
         if not path.exists():
             path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        if not path.is_dir():
+            raise NotADirectoryError(f"fs tier: {self.base_path} exists but is not a directory (a store that is "
+                                     "unmounted or replaced?); point base_path at a directory")
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(f"fs tier: {self.base_path} is not writable by this user")
 
