@@ -41,6 +41,13 @@ class FsTier(TierConfig):
     accept_key_envs: list[str] = Field(
         default_factory=list, description="further key variables accepted for reading, during a key rotation "
         "(docs/tiers.md: 'Keyed integrity')")
+    io_threads: int = Field(
+        4, ge=1, le=64, description="chunks of one request hashed and written, or read and checked, at once "
+        "(integrity: blake3; each chunk is hashed in the thread that moves it)")
+    fsync: bool = Field(
+        False, description="fsync each chunk before it is published: chunks survive a power loss, at the "
+        "medium's sync speed (without it, as LMCache's fs adapter: a chunk is published when it reaches the "
+        "page cache; a crash can lose recent chunks, never publish a torn one)")
 
     @field_validator("base_path", mode="before")
     @classmethod
@@ -92,6 +99,10 @@ class FsTier(TierConfig):
         if self.key_env is not None and self.integrity == "none":
             raise problem("key_env needs integrity checks (integrity: none writes no digest to key)",
                           "set integrity: blake3, or drop key_env")
+        if self.integrity == "none" and ("io_threads" in self.model_fields_set or self.fsync):
+            raise problem("io_threads and fsync are settings of the checked adapter (integrity: none is LMCache's "
+                          "plain fs adapter, which writes one chunk at a time and never fsyncs)",
+                          "set integrity: blake3, or drop io_threads / fsync")
         if self.accept_key_envs and self.key_env is None:
             raise problem("accept_key_envs without key_env: keys are accepted only by a keyed store",
                           "set key_env to the key new chunks are written under")
@@ -111,6 +122,7 @@ class FsTier(TierConfig):
         params = {k: cfg.pop(k) for k in list(cfg) if k in self._adapter_fields()}
         if self.key_env is not None:
             params.update(key_env=self.key_env, accept_key_envs=list(self.accept_key_envs))
+        params.update(io_threads=self.io_threads, fsync=self.fsync)
         module, cls = CHECKED_ADAPTER
         return {**cfg, "type": "plugin", "module_path": module, "class_name": cls, "adapter_params": params}
 

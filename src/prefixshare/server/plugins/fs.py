@@ -28,7 +28,10 @@ docs/benchmarks.md).
 
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +48,21 @@ log = get_logger("prefixshare.store")
 #: mode of every chunk file we create (before the process umask): the owner writes, its group reads
 FILE_MODE = 0o640
 
+#: chunks of one request written or read at once (the fs tier's ``io_threads``)
+DEFAULT_IO_THREADS = 4
+
 
 class CheckedFSL2AdapterConfig(FSL2AdapterConfig):
     """LMCache's fs adapter fields (``base_path``, ``relative_tmp_dir``, ``read_ahead_size``,
     ``use_odirect``; O_DIRECT is not used by this adapter: the trailer breaks block alignment), plus the names
-    of the store key variables (``key_env``, ``accept_key_envs``). LMCache's plugin loader builds it from the
-    adapter's parameters by this class's name."""
+    of the store key variables (``key_env``, ``accept_key_envs``), the chunks moved at once (``io_threads``) and
+    whether each chunk is fsynced before it is published (``fsync``). LMCache's plugin loader builds it from
+    the adapter's parameters by this class's name."""
 
     key_env: str | None = None
     accept_key_envs: tuple[str, ...] = ()
+    io_threads: int = DEFAULT_IO_THREADS
+    fsync: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> CheckedFSL2AdapterConfig:
@@ -67,6 +76,12 @@ class CheckedFSL2AdapterConfig(FSL2AdapterConfig):
         if accept and key_env is None:
             raise ValueError("accept_key_envs needs key_env")
         config.key_env, config.accept_key_envs = key_env, tuple(accept)
+        io_threads, fsync = d.get("io_threads", DEFAULT_IO_THREADS), d.get("fsync", False)
+        if not isinstance(io_threads, int) or isinstance(io_threads, bool) or not 1 <= io_threads <= 64:
+            raise ValueError("io_threads must be an integer from 1 to 64")
+        if not isinstance(fsync, bool):
+            raise ValueError("fsync must be true or false")
+        config.io_threads, config.fsync = io_threads, fsync
         return config
 
 
@@ -81,6 +96,10 @@ class CheckedFSL2Adapter(FSL2Adapter):
         #: None: unkeyed digests; else the keys this server signs with and accepts (StoreKeyError when missing)
         self.keyring = integrity.Keyring.from_env(key_env, getattr(config, "accept_key_envs", ())) if key_env else None
         config.use_odirect = False
+        self.io_threads = int(getattr(config, "io_threads", DEFAULT_IO_THREADS))
+        self.fsync = bool(getattr(config, "fsync", False))
+        #: the threads that hash and move chunk bytes (blake3 and file I/O release the GIL)
+        self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="prefixshare-fs-io")
         super().__init__(config)
         self.damaged = 0  # chunks refused on load since start
         self.verified = 0
@@ -89,39 +108,62 @@ class CheckedFSL2Adapter(FSL2Adapter):
 
     # ---- store ----------------------------------------------------------------------------------------
 
-    def _write(self, tmp: Path, final: Path, payload: memoryview, tail: bytes) -> None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    def _temp_path(self, tmp: Path) -> Path:
+        """A temporary name no other writer uses: LMCache's is ``<chunk>.tmp`` for every writer, so two servers
+        storing the same chunk at once (two replicas computing one popular document) truncate each other's
+        file, and one renames it into place while the other is still writing: a reader meets a torn chunk and
+        quarantines a good one. Still ends in ``.tmp`` (``store gc`` removes stale ones)."""
+        return tmp.with_name(f"{tmp.stem}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
+
+    def _store_chunk(self, final: Path, tmp: Path, payload: memoryview) -> int:
+        """Hash and write one chunk in this (pool) thread; 0 when it is already there, else its file's size."""
+        if final.exists():
+            return 0
+        tail = integrity.trailer(final.name, payload, self.keyring)
+        tmp = self._temp_path(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
-            with os.fdopen(fd, "wb", closefd=True) as f:
-                f.write(payload)
-                f.write(tail)
+            try:
+                want, done = payload.nbytes + len(tail), os.writev(fd, [payload, tail])
+                if done < want:  # a short write (signals, some network file systems): finish it
+                    rest = memoryview(bytes(payload) + tail)[done:]
+                    while rest:
+                        rest = rest[os.write(fd, rest):]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)  # published whole, or not at all
         except BaseException:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             raise
-        os.replace(tmp, final)
+        return want
 
     async def _execute_store(self, keys: list[Any], objects: list[Any], task_id: Any) -> None:  # type: ignore[override]
+        """A request's chunks are written ``io_threads`` at a time, each hashed in the thread that writes it."""
+
+        async def one(key: Any, obj: Any) -> int:
+            final, tmp = self._key_to_file_and_tmp_path(key)
+            payload = memoryview(obj.byte_array).cast("B")
+            return await self._loop.run_in_executor(self._pool, self._store_chunk, final, tmp, payload)
+
+        results = await asyncio.gather(*(one(k, o) for k, o in zip(keys, objects, strict=True)),
+                                       return_exceptions=True)
         success, written = True, 0
         stored_keys: list[Any] = []
         stored_sizes: list[int] = []
-        for key, obj in zip(keys, objects, strict=True):
-            final, tmp = self._key_to_file_and_tmp_path(key)
-            try:
-                if await aiofiles.os.path.exists(final):
-                    continue
-                payload = memoryview(obj.byte_array).cast("B")
-                tail = await self._loop.run_in_executor(None, integrity.trailer, final.name, payload, self.keyring)
-                await self._loop.run_in_executor(None, self._write, tmp, final, payload, tail)
-                written += payload.nbytes
+        for key, result in zip(keys, results, strict=True):
+            if isinstance(result, BaseException):  # one failed chunk fails the task; the others were still tried
+                self._log.warning("store.write_failed", file=self._key_to_path(key).name, error=repr(result))
+                success = False
+            elif result:
+                written += result - integrity.TRAILER_BYTES
                 stored_keys.append(key)
                 # the file's size: LMCache's delete subtracts what it stats, so usage must add the same
-                stored_sizes.append(payload.nbytes + integrity.TRAILER_BYTES)
-            except Exception as exc:  # one failed chunk fails the task; the others are still tried
-                self._log.warning("store.write_failed", file=final.name, error=repr(exc))
-                success = False
+                stored_sizes.append(result)
         if stored_keys:
             self._notify_keys_stored(stored_keys, stored_sizes)
         with self._lock:
@@ -146,6 +188,21 @@ class CheckedFSL2Adapter(FSL2Adapter):
         # blake3 (~8 GB/s a core) is the cost, not the read
         return integrity.check(path.name, dst, tail, size, self.keyring)
 
+    @staticmethod
+    def _will_need(paths: list[Path]) -> None:
+        """Ask the kernel to start reading every chunk of the request now (a no-op for cached pages)."""
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
     def _quarantine(self, path: Path, verdict: str) -> None:
         self.damaged += 1
         target = path.with_name(path.name + integrity.QUARANTINE_SUFFIX)
@@ -158,16 +215,22 @@ class CheckedFSL2Adapter(FSL2Adapter):
                           action="not loaded; the engine recomputes from this chunk")
 
     async def _execute_load(self, keys: list[Any], objects: list[Any], task_id: Any) -> None:  # type: ignore[override]
+        """Every chunk of the request is read ahead at once, then read and checked ``io_threads`` at a time."""
+        paths = [self._key_to_path(key) for key in keys]
+        if len(paths) > 1:
+            await self._loop.run_in_executor(self._pool, self._will_need, paths)
+
+        async def one(i: int) -> integrity.Verdict:
+            dst = memoryview(objects[i].byte_array).cast("B")
+            return await self._loop.run_in_executor(self._pool, self._read_checked, paths[i], dst)
+
+        verdicts = await asyncio.gather(*(one(i) for i in range(len(keys))), return_exceptions=True)
         bitmap = Bitmap(len(keys))
-        for i, key in enumerate(keys):
-            path = self._key_to_path(key)
-            try:
-                dst = memoryview(objects[i].byte_array).cast("B")
-                verdict = await self._loop.run_in_executor(None, self._read_checked, path, dst)
-            except FileNotFoundError:
+        for i, (path, verdict) in enumerate(zip(paths, verdicts, strict=True)):
+            if isinstance(verdict, FileNotFoundError):
                 continue
-            except Exception as exc:
-                self._log.warning("store.read_failed", file=path.name, error=repr(exc))
+            if isinstance(verdict, BaseException):
+                self._log.warning("store.read_failed", file=path.name, error=repr(verdict))
                 continue
             if verdict == "ok":
                 self.verified += 1
@@ -184,6 +247,10 @@ class CheckedFSL2Adapter(FSL2Adapter):
         with self._lock:
             self._completed_load_tasks[task_id] = bitmap
         self._load_efd.notify()
+
+    def close(self) -> None:
+        super().close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def report_status(self) -> dict[str, Any]:
         status = super().report_status()

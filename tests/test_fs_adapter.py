@@ -1,0 +1,207 @@
+"""The fs tier's server-side adapter driven directly, without a server: a request's chunks are hashed and
+written by a pool of threads and read back the same way; writers racing on one directory never publish a
+torn chunk; a chunk that fails does not fail the others. (End to end, through real servers and engines:
+tests/faults/test_corruption.py and tests/faults/test_store_down.py.)"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lmcache")
+
+from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
+
+from prefixshare.server.plugins import integrity  # noqa: E402
+from prefixshare.server.plugins.fs import CheckedFSL2Adapter, CheckedFSL2AdapterConfig  # noqa: E402
+
+CHUNK = 256 * 1024
+
+
+class Obj:
+    """What the adapter uses of an LMCache memory object: its bytes."""
+
+    def __init__(self, data: bytes | int) -> None:
+        self.byte_array = bytearray(data)
+
+
+def adapter(directory: Path, **params: Any) -> CheckedFSL2Adapter:
+    return CheckedFSL2Adapter({"base_path": str(directory), **params})
+
+
+def keys(n: int, model: str = "fs-test", seed: int = 0) -> list[Any]:
+    return [ObjectKey(chunk_hash=(seed * 1000 + i).to_bytes(16, "big"), model_name=model, kv_rank=0) for i in range(n)]
+
+
+def payloads(n: int, seed: int = 0) -> list[bytes]:
+    return [bytes([(seed + i) % 251]) * 7 + os.urandom(CHUNK - 7) for i in range(n)]
+
+
+def store(a: CheckedFSL2Adapter, ks: list[Any], data: list[bytes], timeout_s: float = 30.0) -> int:
+    """The task's result: bytes written (>= 0), or -1 when it failed."""
+    task = a.submit_store_task(ks, [Obj(d) for d in data])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = a.pop_completed_store_tasks()
+        if task in done:
+            return int(done[task])
+        time.sleep(0.001)
+    raise AssertionError("store task did not complete")
+
+
+def load(a: CheckedFSL2Adapter, ks: list[Any], timeout_s: float = 30.0) -> tuple[list[int], list[Obj]]:
+    dst = [Obj(CHUNK) for _ in ks]
+    task = a.submit_load_task(ks, dst)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        bitmap = a.query_load_result(task)
+        if bitmap is not None:
+            return bitmap.get_indices_list(), dst
+        time.sleep(0.001)
+    raise AssertionError("load task did not complete")
+
+
+def chunk_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.suffix == ".data")
+
+
+def test_a_request_round_trips_through_the_pool_and_leaves_only_whole_chunks(tmp_path: Path) -> None:
+    a = adapter(tmp_path, io_threads=4)
+    try:
+        ks, data = keys(12), payloads(12)
+        assert store(a, ks, data) == 12 * CHUNK  # success, and the payload bytes written
+        files = chunk_files(tmp_path)
+        assert len(files) == 12 and not list(tmp_path.glob("*.tmp"))
+        assert all(f.stat().st_size == CHUNK + integrity.TRAILER_BYTES for f in files)
+        assert all(integrity.verify_file(f).verdict == "ok" for f in files)
+        assert all((f.stat().st_mode & 0o777) & ~0o640 == 0 for f in files)  # never world-readable
+        loaded, dst = load(a, ks)
+        assert loaded == list(range(12))
+        assert [bytes(o.byte_array) for o in dst] == data  # each chunk in its own slot, in order
+        assert store(a, ks, data) == 0  # already there: nothing rewritten
+        assert a.report_status()["chunks_verified"] == 12
+    finally:
+        a.close()
+
+
+def test_a_damaged_chunk_is_refused_alone_and_quarantined(tmp_path: Path) -> None:
+    a = adapter(tmp_path, io_threads=3)
+    try:
+        ks, data = keys(8), payloads(8)
+        assert store(a, ks, data) >= 0
+        victim = a._key_to_path(ks[5])
+        raw = bytearray(victim.read_bytes())
+        raw[1000] ^= 0xFF
+        victim.write_bytes(raw)
+        loaded, dst = load(a, ks)
+        assert loaded == [0, 1, 2, 3, 4, 6, 7]
+        assert all(bytes(dst[i].byte_array) == data[i] for i in loaded)
+        assert not victim.exists() and victim.with_name(victim.name + integrity.QUARANTINE_SUFFIX).exists()
+        assert a.report_status()["chunks_damaged"] == 1
+    finally:
+        a.close()
+
+
+def test_writers_racing_on_one_directory_never_publish_a_torn_chunk(tmp_path: Path) -> None:
+    """Eight servers' adapters store the same chunks at once (replicas computing one popular document) while
+    a ninth loads them in a loop. With one shared temporary name per chunk (LMCache's ``<chunk>.tmp``) a
+    writer truncates a file another is about to publish, and a reader quarantines a good chunk."""
+    writers = [adapter(tmp_path, io_threads=2) for _ in range(8)]
+    reader = adapter(tmp_path, io_threads=4)
+    spans: list[tuple[float, float, str]] = []
+    lock = threading.Lock()
+    for w in writers:
+        inner = w._store_chunk
+
+        def timed(final: Path, tmp: Path, payload: memoryview, inner: Any = inner) -> int:
+            t0 = time.monotonic()
+            n = inner(final, tmp, payload)
+            with lock:
+                if n:
+                    spans.append((t0, time.monotonic(), final.name))
+            return n
+
+        w._store_chunk = timed  # type: ignore[method-assign]
+    try:
+        rounds, per_round = 6, 6
+        seen_torn, loads = 0, 0
+        for r in range(rounds):
+            ks, data = keys(per_round, seed=r + 1), payloads(per_round, seed=r)
+            results: list[Any] = []
+            threads = [threading.Thread(target=lambda w=w: results.append(store(w, ks, data))) for w in writers]
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                loaded, dst = load(reader, ks)
+                loads += 1
+                seen_torn += sum(bytes(dst[i].byte_array) != data[i] for i in loaded)
+            for t in threads:
+                t.join()
+            assert len(results) == len(writers) and all(res >= 0 for res in results), results
+        # the fault happened: two writers were writing the same chunk at the same time
+        by_name: dict[str, list[tuple[float, float]]] = {}
+        for t0, t1, name in spans:
+            by_name.setdefault(name, []).append((t0, t1))
+        overlapping = sum(any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(v) for (b0, b1) in v[i + 1:])
+                          for v in by_name.values())
+        assert overlapping > 0, "no two writers overlapped on a chunk: the race was not exercised"
+        assert loads > 0
+        assert seen_torn == 0
+        assert reader.report_status()["chunks_damaged"] == 0
+        assert not list(tmp_path.glob("*" + integrity.QUARANTINE_SUFFIX))
+        assert not list(tmp_path.glob("*.tmp"))
+        files = chunk_files(tmp_path)
+        assert len(files) == rounds * per_round
+        assert all(integrity.verify_file(f).verdict == "ok" for f in files)
+    finally:
+        for w in [*writers, reader]:
+            w.close()
+
+
+def test_a_store_that_went_away_fails_the_write_and_the_adapter_keeps_working(tmp_path: Path) -> None:
+    store_dir = tmp_path / "kv"
+    store_dir.mkdir()
+    a = adapter(store_dir)
+    try:
+        away = tmp_path / "kv.away"
+        store_dir.rename(away)
+        store_dir.write_text("not a directory\n")
+        assert store(a, keys(3), payloads(3)) == -1  # LMCache's "failed"
+        loaded, _ = load(a, keys(3))
+        assert loaded == []
+        store_dir.unlink()
+        away.rename(store_dir)
+        ks, data = keys(3, seed=9), payloads(3)
+        assert store(a, ks, data) >= 0
+        assert load(a, ks)[0] == [0, 1, 2]
+    finally:
+        a.close()
+
+
+def test_fsync_is_the_tier_configs_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    for fsync, expected in ((False, 0), (True, 4)):
+        synced.clear()
+        a = adapter(tmp_path / str(fsync), fsync=fsync)
+        try:
+            assert store(a, keys(4), payloads(4)) >= 0
+        finally:
+            a.close()
+        assert len(synced) == expected
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"io_threads": 0}, "io_threads must be an integer from 1 to 64"),
+    ({"io_threads": "4"}, "io_threads must be an integer from 1 to 64"),
+    ({"fsync": "yes"}, "fsync must be true or false"),
+])
+def test_bad_adapter_parameters_are_named(tmp_path: Path, params: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CheckedFSL2AdapterConfig.from_dict({"base_path": str(tmp_path), **params})
