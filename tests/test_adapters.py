@@ -282,8 +282,12 @@ def test_admission_digest_is_cheap_stable_and_versioned() -> None:
     assert admission_digest(ids, 64) == admission_digest(ids + [7, 8], 64) == admission_digest(tuple(ids), 64)
     assert admission_digest(ids, 64) != admission_digest(ids[::-1], 64)
     # pinned: changing the encoding must bump ADMISSION_DIGEST_VERSION (and keep warm and the connector equal)
-    assert ADMISSION_DIGEST_VERSION == 2
-    assert admission_digest(ids, 64) == "23e2f0deaf6f3a0071024348ffe0adc9"
+    assert ADMISSION_DIGEST_VERSION == 3
+    assert admission_digest(ids, 64) == "ac0e311eda4b8172cb8631529882498b"
+    # the store salt is part of it: one document under two tenants is two prefixes in the store
+    salted = {admission_digest(ids, 64, salt) for salt in ("t-acme", "t-globex", "t-acme-lora-0123456789ab")}
+    assert len(salted) == 3 and admission_digest(ids, 64) not in salted
+    assert admission_digest(ids, 64, None) == admission_digest(ids, 64, "")
 
 
 # --- SGLang -----------------------------------------------------------------------------------------------
@@ -467,3 +471,25 @@ def test_a_byte_budget_holds_for_requests_admitted_together(tmp_path: Path) -> N
     rt.finish("r1", 64)  # stored its chunk: stays counted
     assert rt.begin("r3", list(range(3000, 3064)), None).admitted
     assert not rt.begin("r4", list(range(4000, 4064)), None).admitted
+    rt.close()
+
+
+def test_a_byte_budget_counts_each_tenants_copy_of_a_document(tmp_path: Path) -> None:
+    """One document under two tenants (or two LoRA adapters, or two request salts) is two prefixes in the store,
+    keyed apart. The soak found a budget that counted it once: 131 MB on disk under two 48 MiB budgets."""
+    kv = 64 * 4 * 2 * 64 * 2 * 4
+    policy = Policy.build(chunk_size=64, l2=[{"type": "fs", "base_path": str(tmp_path)}],
+                          server={"port": free_port(), "http_port": free_port()},
+                          admission={"byte_budget": {"max": 2 * kv}})
+    rt = _scheduler(tmp_path, policy, "budget-tenants")
+    doc = list(range(64))
+    acme = rt.begin("acme", doc, {"prefixshare.tenant": "acme"})
+    globex = rt.begin("globex", doc, {"prefixshare.tenant": "globex"})
+    assert acme.admitted and globex.admitted and "already counted" not in globex.reason
+    assert rt.salt(acme, None) != rt.salt(globex, None)  # the two copies are stored under different keys
+    assert rt.begin("acme-again", doc, {"prefixshare.tenant": "acme"}).reason.endswith("already counted")
+    lora = rt.begin("lora", doc, {"prefixshare.tenant": "acme"}, lora_name="adapter-1")
+    assert not lora.admitted  # a third copy: over the budget of two chunks
+    salted = rt.begin("salted", doc, None, request_salt="own-salt")
+    assert not salted.admitted and "already counted" not in salted.reason
+    rt.close()

@@ -179,6 +179,11 @@ def test_admission_digest_matches_the_connector(tmp_path: Path, tiny: Path) -> N
                 info = rt.begin(f"r{n}-{len(params)}-{type(prompt).__name__}", prompt, params)
                 assert info.admission_request is not None
                 assert info.admission_request.prefix_digest == _admission_digest(prefix, CHUNK)
+                tenant = rt.begin(f"t{n}-{len(params)}-{type(prompt).__name__}", prompt,
+                                  {**params, "prefixshare.tenant": "acme"})
+                assert tenant.admission_request is not None
+                assert tenant.admission_request.prefix_digest == _admission_digest(prefix, CHUNK, "acme")
+                assert n < CHUNK or tenant.admission_request.prefix_digest != info.admission_request.prefix_digest
         assert _admission_digest(list(range(CHUNK - 1)), CHUNK) is None
     finally:
         rt.close()

@@ -91,19 +91,29 @@ def token_bytes(ids: Any) -> bytes:
 #: version of :func:`admission_digest`'s encoding. Admission digests are never persisted (the frequency rule's
 #: sightings and the byte budget's commitments live in the connector's memory), so a new version needs no
 #: migration; it only must be the same in the connector and in :mod:`prefixshare.warm` (tests/test_warm.py).
-#: v1 was blake3 of the JSON list of the ids (~0.4 ms at 8k tokens); v2 is keyed blake3 of ``token_bytes``.
-ADMISSION_DIGEST_VERSION = 2
+#: v1 was blake3 of the JSON list of the ids (~0.4 ms at 8k tokens); v2 is keyed blake3 of ``token_bytes``;
+#: v3 adds the request's store salt (tenant, LoRA, its own salt) in front of them.
+ADMISSION_DIGEST_VERSION = 3
 _ADMISSION_KEY = blake3.blake3(f"prefixshare admission digest v{ADMISSION_DIGEST_VERSION}".encode()).digest()
 
 
-def admission_digest(ids: Any, chunk_size: int) -> str | None:
+def admission_digest(ids: Any, chunk_size: int, salt: str | None = None) -> str | None:
     """The prefix digest the admission rules see (``AdmissionRequest.prefix_digest``): keyed blake3 of the
-    chunk-aligned token ids (``token_bytes``), 32 hex; None below one chunk. ``prefixshare.warm`` uses it too."""
+    request's store salt (:func:`store_salt`) and its chunk-aligned token ids (``token_bytes``), 32 hex; None
+    below one chunk. ``prefixshare.warm`` uses it too.
+
+    The salt is part of it because the same tokens under two salts are two prefixes in the store: a document
+    two tenants share is stored twice, and a byte budget that counted it once (the soak found this: 131 MB on
+    disk under 2 x 48 MiB of budgets) would let the store grow past it."""
     aligned = len(ids) - len(ids) % chunk_size
     if not aligned:
         return None
     data = token_bytes(ids if aligned == len(ids) else ids[:aligned])
-    return blake3.blake3(data, key=_ADMISSION_KEY).hexdigest()[:32]
+    hasher = blake3.blake3(key=_ADMISSION_KEY)
+    if salt:
+        hasher.update(b"salt\0" + salt.encode() + b"\0")
+    hasher.update(data)
+    return hasher.hexdigest()[:32]
 
 
 def namespace(fp: Fingerprint) -> str:

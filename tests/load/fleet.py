@@ -781,7 +781,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: docs/benchmarks/<kind>.json)")
     args = parser.parse_args(argv)
+    from faults._matrix import commit, run_id
     from prefixshare.model import create_model
+
+    commit(), run_id()  # fixed now: the tree may change during a 30-minute run, and the row must name what ran
 
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

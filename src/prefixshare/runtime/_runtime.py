@@ -226,8 +226,11 @@ class ConnectorRuntime(StatsPublisher):
 
     # --- per request -----------------------------------------------------------------------------------
     def begin(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...], params: dict[str, Any] | None,
-              lora_name: str | None = None) -> RequestInfo:
-        """Admission and identity of a new request (scheduler side). Idempotent per request id."""
+              lora_name: str | None = None, request_salt: str | None = None) -> RequestInfo:
+        """Admission and identity of a new request (scheduler side). Idempotent per request id.
+
+        ``lora_name`` and ``request_salt`` are what :meth:`salt` will salt the request's store keys with (its
+        LoRA adapter's id and the engine's own cache salt): the admission digest covers them too."""
         with self._lock:
             info = self.requests.get(request_id)
             if info is not None:
@@ -255,7 +258,8 @@ class ConnectorRuntime(StatsPublisher):
             aligned = keyed - keyed % self.policy.chunk_size
             # only rules read the digest (frequency, byte budget): without rules it is not computed (~32 us at 8k)
             digest = admission_digest(prompt_token_ids if aligned == n else prompt_token_ids[:aligned],
-                                      self.policy.chunk_size) if aligned else None
+                                      self.policy.chunk_size, store_salt(tenant, request_salt, lora_name)
+                                      ) if aligned else None
             req = AdmissionRequest(
                 prompt_tokens=n, document_id=doc, tenant=tenant, prefix_digest=digest,
                 kv_bytes=aligned * self.kv_bytes_per_token,

@@ -183,9 +183,10 @@ def expected_salt(tenant: str | None, cache_salt: str | None = None) -> str:
     return store_salt(tenant, cache_salt) or ""
 
 
-def _admission_digest(ids: list[int], chunk_size: int) -> str | None:
-    """The ``prefix_digest`` the connector gives the admission rules for a prompt whose prefix is ``ids``."""
-    return admission_digest(ids, chunk_size)
+def _admission_digest(ids: list[int], chunk_size: int, tenant: str | None = None) -> str | None:
+    """The ``prefix_digest`` the connector gives the admission rules for a prompt whose prefix is ``ids``, sent
+    for ``tenant`` (its store salt is part of the digest)."""
+    return admission_digest(ids, chunk_size, store_salt(tenant, None))
 
 
 def _params(doc_id: str, prefix_tokens: int, tenant: str | None) -> dict[str, Any]:
@@ -434,7 +435,7 @@ class _WarmRun:
             return False
         if self.rule is not None:
             decision = self.rule(AdmissionRequest(prompt_tokens=len(ids), document_id=doc.id, tenant=self.tenant,
-                                                  prefix_digest=_admission_digest(ids, policy.chunk_size),
+                                                  prefix_digest=_admission_digest(ids, policy.chunk_size, self.tenant),
                                                   kv_bytes=chunk_tokens * self.kv_per_token))
             if not decision.admit:
                 result.status = REFUSED

@@ -221,7 +221,8 @@ class SchedulerSide:
                              ) if lora is not None else None
         if new:
             info = rt.begin(request.request_id, request.prompt_token_ids or [],
-                            getattr(request, "kv_transfer_params", None))
+                            getattr(request, "kv_transfer_params", None), lora_name=lora_id,
+                            request_salt=tracker.cache_salt)
         else:
             # a preempted request's tracker is rebuilt: keep the decision and salt taken at admission
             info = rt.requests[request.request_id]
