@@ -591,8 +591,8 @@ def _reading(results: dict[str, Any]) -> list[str]:
                  f"{' (min–max ranges overlap)' if overlap(k) else ''}" for k, what in keys.items()]
         out.append(
             f"- *fs, integrity on vs off* (median of the checked adapter over the plain one): {', '.join(parts)}. "
-            "The checked adapter adds one blake3 pass per chunk on store and on load, chunks one after another "
-            "within a task, on one core.")
+            "The checked adapter adds one blake3 pass per chunk on store and on load, and moves a request's "
+            "chunks io_threads at a time (from 2026-12-04; runs before that moved them one after another).")
     if "s3" in ok:
         out.append(
             f"- *s3*: lookup = {results['settings']['chunks']} HEAD requests from the reading adapter. The adapter "

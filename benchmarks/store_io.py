@@ -1,0 +1,156 @@
+"""The fs tier's store path at two revisions, in one run: raw sequential I/O, LMCache's plain fs adapter, and
+prefixshare's checked adapter as it is in this tree and as it was at ``--before`` (loaded from git), each
+storing and loading one request's chunks (page cache warm, then evicted), interleaved per repetition.
+
+    python benchmarks/store_io.py --before a8c5140^ [--reps 7] [--out docs/benchmarks/store-io.json]
+
+The same measure as the bench's P3 (``prefixshare.bench._micro.fs_l2_io``), with a "before" column so a change
+to the adapter is judged against the code it replaced on the same machine at the same time. Bench model's KV
+(24,576 bytes per token), 256-token chunks, 1k-8k tokens. Ratios are medians over ``--reps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+KV_BYTES_PER_TOKEN, CHUNK_TOKENS = 24576, 256
+LENGTHS = (1024, 2048, 4096, 8192)
+MEASURES = ("write", "read_warm", "read_evicted")
+
+
+class _Obj:
+    def __init__(self, n: int) -> None:
+        self.byte_array = bytearray(n)
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
+
+
+def _adapter_at(rev: str, scratch: Path) -> Any:
+    """prefixshare's checked fs adapter class as it was at ``rev``."""
+    path = scratch / "fs_before.py"
+    path.write_text(_git("show", f"{rev}:src/prefixshare/server/plugins/fs.py"))
+    spec = importlib.util.spec_from_file_location("prefixshare_fs_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CheckedFSL2Adapter
+
+
+def _one(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, payload: bytes) -> tuple[float, float, float]:
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from prefixshare.bench._micro import evict
+
+    tag = uuid.uuid4().hex[:8]
+    keys = [ObjectKey(chunk_hash=os.urandom(16), model_name=f"b-{tag}", kv_rank=0) for _ in range(chunks)]
+    objs = [_Obj(chunk_bytes) for _ in range(chunks)]
+    for o in objs:
+        o.byte_array[:] = payload
+    t0 = time.perf_counter()
+    task = adapter.submit_store_task(keys, objs)
+    while task not in (done := adapter.pop_completed_store_tasks()):
+        time.sleep(0.0002)
+    write = time.perf_counter() - t0
+    if int(done[task]) < 0:
+        raise RuntimeError("a store task failed")
+    dst = [_Obj(chunk_bytes) for _ in range(chunks)]
+    reads = []
+    for evicted in (False, True):
+        if evicted:
+            for f in directory.glob(f"b-{tag}@*"):
+                evict(f)
+        t0 = time.perf_counter()
+        task = adapter.submit_load_task(keys, dst)
+        while (bitmap := adapter.query_load_result(task)) is None:
+            time.sleep(0.0002)
+        reads.append(time.perf_counter() - t0)
+        if bitmap.popcount() != chunks:
+            raise RuntimeError(f"a load returned {bitmap.popcount()} of {chunks} chunks")
+    if bytes(dst[-1].byte_array) != payload:
+        raise RuntimeError("a load returned other bytes than were stored")
+    for f in directory.glob(f"b-{tag}@*"):
+        f.unlink()
+    return write, reads[0], reads[1]
+
+
+def measure(work: Path, before: str, reps: int) -> dict[str, Any]:
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
+
+    from prefixshare.bench._micro import raw_io
+    from prefixshare.server.plugins.fs import CheckedFSL2Adapter
+
+    old = _adapter_at(before, work)
+    makers = {
+        "lmcache_plain": lambda d: FSL2Adapter(FSL2AdapterConfig(base_path=str(d))),
+        "checked_before": lambda d: old(FSL2AdapterConfig(base_path=str(d))),
+        "checked_after": lambda d: CheckedFSL2Adapter({"base_path": str(d)}),
+    }
+    out: dict[str, Any] = {"run_id": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}",
+                           "commit": _git("rev-parse", "HEAD").strip(), "before": _git("rev-parse", before).strip(),
+                           "dirty": bool(_git("status", "--porcelain", "--untracked-files=no").strip()),
+                           "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+                           "reps": reps, "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "chunk_tokens": CHUNK_TOKENS,
+                           "command": " ".join(["python", "benchmarks/store_io.py", *sys.argv[1:]]), "per_length": {}}
+    for n in LENGTHS:
+        size, chunk_bytes = n * KV_BYTES_PER_TOKEN, CHUNK_TOKENS * KV_BYTES_PER_TOKEN
+        payload = os.urandom(chunk_bytes)
+        raw = raw_io(work / "raw", size, reps)
+        dirs = {k: work / k for k in makers}
+        for d in dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        adapters = {k: make(dirs[k]) for k, make in makers.items()}
+        times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in adapters}
+        try:
+            for _ in range(reps):
+                for k, a in adapters.items():
+                    times[k].append(_one(a, dirs[k], chunk_bytes, n // CHUNK_TOKENS, payload))
+        finally:
+            for a in adapters.values():
+                a.close()
+        row: dict[str, Any] = {"raw_gbps": {m: round(raw[f"{m}_gbps"]["median"], 3) for m in MEASURES}}
+        for k, ts in times.items():
+            row[k] = {m: round(size / statistics.median(t[i] for t in ts) / 1e9, 3) for i, m in enumerate(MEASURES)}
+            row[f"{k}_vs_raw"] = {m: round(row[k][m] / row["raw_gbps"][m], 3) for m in MEASURES}
+        out["per_length"][str(n)] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="git revision of the adapter to compare with")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--work", type=Path, default=None, help="scratch directory on the store's medium")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "store-io.json")
+    args = parser.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="prefixshare-store-io-", dir="/var/tmp"))
+    try:
+        result = measure(work, args.before, args.reps)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for n, row in result["per_length"].items():
+        cells = ", ".join(f"{m} {row['checked_before_vs_raw'][m]:.2f}->{row['checked_after_vs_raw'][m]:.2f}"
+                          for m in MEASURES)
+        sys.stdout.write(f"{n} tokens, checked adapter / raw, before->after: {cells}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
