@@ -310,8 +310,8 @@ def render(rows: list[Row], extra: str = "") -> str:
         if notes:
             out.append("\n<details><summary>details recorded with these rows</summary>\n")
             for r in notes:
-                extra = ", ".join(f"{k}={str(v).replace('|', '/')}" for k, v in r.extra.items())
-                out.append(f"* *{_cell(r.fault)}*: {extra}")
+                details = ", ".join(f"{k}={str(v).replace('|', '/')}" for k, v in r.extra.items())
+                out.append(f"* *{_cell(r.fault)}*: {details}")
             out.append("\n</details>\n")
         out.append("")
     iso = [r for r in rows if r.area == "isolation and exposure"]

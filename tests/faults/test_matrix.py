@@ -164,3 +164,10 @@ def test_fault_rows_record_measurements_not_literals() -> None:
                     literal.append(f"{path.name}:{call.lineno} {kw.arg}={kw.value.value!r}")
     assert found >= 25, found
     assert not literal, literal
+
+
+def test_rows_with_details_keep_the_sections_that_follow_them() -> None:
+    # a row's details once replaced the fleet section (a loop variable shadowed render()'s parameter)
+    row = Row.from_dict({**_row("a fault with details"), "extra": {"cli_exit": 3}})
+    text = render.render([row], "## Fleet section\n")
+    assert "## Fleet section" in text and text.count("cli_exit=3") == 1
