@@ -31,11 +31,6 @@ LENGTHS = (1024, 2048, 4096, 8192)
 MEASURES = ("write", "read_warm", "read_evicted")
 
 
-class _Obj:
-    def __init__(self, n: int) -> None:
-        self.byte_array = bytearray(n)
-
-
 def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
 
@@ -51,48 +46,11 @@ def _adapter_at(rev: str, scratch: Path) -> Any:
     return module.CheckedFSL2Adapter
 
 
-def _one(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, payload: bytes) -> tuple[float, float, float]:
-    from lmcache.v1.distributed.api import ObjectKey
-
-    from prefixshare.bench._micro import evict
-
-    tag = uuid.uuid4().hex[:8]
-    keys = [ObjectKey(chunk_hash=os.urandom(16), model_name=f"b-{tag}", kv_rank=0) for _ in range(chunks)]
-    objs = [_Obj(chunk_bytes) for _ in range(chunks)]
-    for o in objs:
-        o.byte_array[:] = payload
-    t0 = time.perf_counter()
-    task = adapter.submit_store_task(keys, objs)
-    while task not in (done := adapter.pop_completed_store_tasks()):
-        time.sleep(0.0002)
-    write = time.perf_counter() - t0
-    if int(done[task]) < 0:
-        raise RuntimeError("a store task failed")
-    dst = [_Obj(chunk_bytes) for _ in range(chunks)]
-    reads = []
-    for evicted in (False, True):
-        if evicted:
-            for f in directory.glob(f"b-{tag}@*"):
-                evict(f)
-        t0 = time.perf_counter()
-        task = adapter.submit_load_task(keys, dst)
-        while (bitmap := adapter.query_load_result(task)) is None:
-            time.sleep(0.0002)
-        reads.append(time.perf_counter() - t0)
-        if bitmap.popcount() != chunks:
-            raise RuntimeError(f"a load returned {bitmap.popcount()} of {chunks} chunks")
-    if bytes(dst[-1].byte_array) != payload:
-        raise RuntimeError("a load returned other bytes than were stored")
-    for f in directory.glob(f"b-{tag}@*"):
-        f.unlink()
-    return write, reads[0], reads[1]
-
-
 def measure(work: Path, before: str, reps: int) -> dict[str, Any]:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 
-    from prefixshare.bench._micro import raw_io
+    from prefixshare.bench._micro import fs_l2_round, raw_io
     from prefixshare.server.plugins.fs import CheckedFSL2Adapter
 
     old = _adapter_at(before, work)
@@ -119,7 +77,7 @@ def measure(work: Path, before: str, reps: int) -> dict[str, Any]:
         try:
             for _ in range(reps):
                 for k, a in adapters.items():
-                    times[k].append(_one(a, dirs[k], chunk_bytes, n // CHUNK_TOKENS, payload))
+                    times[k].append(fs_l2_round(a, dirs[k], chunk_bytes, n // CHUNK_TOKENS, payload))
         finally:
             for a in adapters.values():
                 a.close()

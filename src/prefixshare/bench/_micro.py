@@ -129,14 +129,50 @@ class _Obj:
         self.byte_array = bytearray(size)
 
 
+def fs_l2_round(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, payload: bytes) -> tuple[float, float, float]:
+    """One request's ``chunks`` objects of ``payload`` stored through an fs L2 adapter, then loaded with the page
+    cache warm and evicted, checked and removed: (store, warm load, evicted load) seconds."""
+    import uuid
+
+    from lmcache.v1.distributed.api import ObjectKey
+
+    tag = uuid.uuid4().hex[:8]
+    keys = [ObjectKey(chunk_hash=os.urandom(16), model_name=f"bench-{tag}", kv_rank=0) for _ in range(chunks)]
+    objs = [_Obj(chunk_bytes) for _ in range(chunks)]
+    for o in objs:
+        o.byte_array[:] = payload
+    t0 = time.perf_counter()
+    task = adapter.submit_store_task(keys, objs)
+    while task not in (done := adapter.pop_completed_store_tasks()):
+        time.sleep(0.0005)
+    write = time.perf_counter() - t0
+    if int(done[task]) < 0:  # LMCache's L2StoreResult: bytes written, or -1
+        raise RuntimeError("fs L2 store task failed")
+    dst = [_Obj(chunk_bytes) for _ in range(chunks)]
+    reads: list[float] = []
+    for evicted in (False, True):
+        if evicted:
+            for f in directory.glob(f"bench-{tag}@*"):
+                evict(f)
+        t0 = time.perf_counter()
+        task = adapter.submit_load_task(keys, dst)
+        while (bitmap := adapter.query_load_result(task)) is None:
+            time.sleep(0.0005)
+        reads.append(time.perf_counter() - t0)
+        if bitmap.popcount() != chunks:
+            raise RuntimeError(f"fs L2 load returned {bitmap.popcount()} of {chunks} chunks")
+    if bytes(dst[0].byte_array) != payload:
+        raise RuntimeError("fs L2 load returned other bytes than were stored")
+    for f in directory.glob(f"bench-{tag}@*"):
+        f.unlink()
+    return write, reads[0], reads[1]
+
+
 def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int, *, checked: bool = True) -> dict[str, Any]:
     """Store and load ``chunks`` objects of ``chunk_bytes`` through the MP server's fs tier adapter, driven
     directly, page cache warm and evicted: the store path without the engine. ``checked``: prefixshare's adapter
     (LMCache's fs adapter plus the integrity digest, the fs tier's default); else LMCache's plain one."""
-    import uuid
-
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-    from lmcache.v1.distributed.api import ObjectKey
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 
     from prefixshare.server.plugins.fs import CheckedFSL2Adapter
@@ -148,33 +184,10 @@ def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int, *, check
     writes, warm, cold = [], [], []
     try:
         for _ in range(reps):
-            tag = uuid.uuid4().hex[:8]
-            keys = [ObjectKey(chunk_hash=os.urandom(16), model_name=f"bench-{tag}", kv_rank=0) for _ in range(chunks)]
-            objs = [_Obj(chunk_bytes) for _ in range(chunks)]
-            for o in objs:
-                o.byte_array[:] = payload
-            t0 = time.perf_counter()
-            task = adapter.submit_store_task(keys, objs)
-            while task not in (done := adapter.pop_completed_store_tasks()):
-                time.sleep(0.0005)
-            writes.append(time.perf_counter() - t0)
-            assert done[task].success if hasattr(done[task], "success") else True
-            dst = [_Obj(chunk_bytes) for _ in range(chunks)]
-            for target in (warm, cold):
-                if target is cold:
-                    for f in directory.glob(f"bench-{tag}@*"):
-                        evict(f)
-                t0 = time.perf_counter()
-                task = adapter.submit_load_task(keys, dst)
-                while (bitmap := adapter.query_load_result(task)) is None:
-                    time.sleep(0.0005)
-                target.append(time.perf_counter() - t0)
-                if bitmap.popcount() != chunks:
-                    raise RuntimeError(f"fs L2 load returned {bitmap.popcount()} of {chunks} chunks")
-            if bytes(dst[0].byte_array) != payload:
-                raise RuntimeError("fs L2 load returned other bytes than were stored")
-            for f in directory.glob(f"bench-{tag}@*"):
-                f.unlink()
+            w, r, c = fs_l2_round(adapter, directory, chunk_bytes, chunks, payload)
+            writes.append(w)
+            warm.append(r)
+            cold.append(c)
     finally:
         adapter.close()
     size = chunk_bytes * chunks
