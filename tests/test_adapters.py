@@ -438,7 +438,7 @@ def test_a_transfer_that_fails_to_submit_is_dropped_not_raised_into_the_engine_s
     events: list[tuple[str, dict]] = []
     log = SimpleNamespace(warning=lambda event, **kw: events.append((event, kw)))
     connector = SimpleNamespace(worker_adapter=adapter, _get_connector_metadata=lambda: SimpleNamespace(requests=metas),
-                                prefixshare=SimpleNamespace(log=log))
+                                prefixshare=SimpleNamespace(log=log, policy=Policy()))
     side = WorkerSide(connector, None)  # type: ignore[arg-type]
     with side.submitting("STORE"):
         for m in metas:  # what LMCache's wait_for_save does
@@ -451,6 +451,51 @@ def test_a_transfer_that_fails_to_submit_is_dropped_not_raised_into_the_engine_s
     bare = SimpleNamespace(worker_adapter=None, _get_connector_metadata=lambda: None, prefixshare=connector.prefixshare)
     with pytest.raises(TimeoutError), WorkerSide(bare, None).submitting("STORE"):  # type: ignore[arg-type]
         raise TimeoutError("no adapter: nothing to degrade to")
+
+
+def test_the_worker_defers_stores_only_where_lmcache_makes_them_inside_the_step() -> None:
+    """Policy ``store.defer`` (default on): the worker wraps LMCache's synchronous engine-driven transfer context
+    (CPU engines), once, and again after a server restart rebuilt it; its asynchronous subclass and other
+    contexts are left alone; ``store.defer: false`` wraps nothing. Shutdown drains the queue."""
+    from types import SimpleNamespace
+
+    from lmcache.v1.multiprocess.transfer_context import (
+        AsyncEngineDrivenTransferContext,
+        EngineDrivenTransferContext,
+    )
+
+    from prefixshare.adapters.vllm._deferred import DeferredContext
+    from prefixshare.adapters.vllm.connector import WorkerSide
+
+    events: list[tuple[str, dict]] = []
+    log = SimpleNamespace(warning=lambda e, **kw: events.append((e, kw)), info=lambda e, **kw: events.append((e, kw)))
+    sync = EngineDrivenTransferContext(0, None)
+    adapter = SimpleNamespace(transfer_ctx=sync)
+    side = WorkerSide(SimpleNamespace(worker_adapter=adapter, prefixshare=SimpleNamespace(log=log, policy=Policy())),
+                      None)  # type: ignore[arg-type]
+    side.defer_stores()
+    wrapped = adapter.transfer_ctx
+    assert isinstance(wrapped, DeferredContext) and wrapped._inner is sync
+    side.defer_stores()
+    assert adapter.transfer_ctx is wrapped  # not wrapped twice
+    rebuilt = EngineDrivenTransferContext(0, None)  # what the heartbeat's re-registration leaves behind
+    adapter.transfer_ctx = rebuilt
+    side.defer_stores()
+    assert adapter.transfer_ctx._inner is rebuilt
+    asynchronous = object.__new__(AsyncEngineDrivenTransferContext)
+    adapter.transfer_ctx = asynchronous
+    side.defer_stores()
+    assert adapter.transfer_ctx is asynchronous
+    assert [e for e, _ in events] == ["store.deferring", "store.deferring"]  # the first and the rebuilt context
+    side.drain()
+    assert events[-1][0] == "store.deferred" and events[-1][1]["queued"] == 0
+
+    off = Policy.build(store={"defer": False})
+    adapter.transfer_ctx = sync
+    side = WorkerSide(SimpleNamespace(worker_adapter=adapter, prefixshare=SimpleNamespace(log=log, policy=off)),
+                      None)  # type: ignore[arg-type]
+    side.defer_stores()
+    assert adapter.transfer_ctx is sync and side.stores is None
 
 
 def test_a_byte_budget_holds_for_requests_admitted_together(tmp_path: Path) -> None:

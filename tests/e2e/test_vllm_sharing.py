@@ -106,6 +106,10 @@ def test_fresh_replica_loads_the_document_and_answers_like_a_cold_engine(
     assert stats["tokens_loaded"] >= b["num_cached_tokens"] and stats["hits"] >= 1
     assert stats["bytes_loaded"] == stats["tokens_loaded"] * stats["kv_bytes_per_token"]
     assert stats["lookup_ms"]["count"] >= 1 and stats["load_ms"]["count"] >= 1
+    # A's stores were copied into the server after its steps (policy store.defer, the default), yet B loaded
+    # exactly what a cold engine computes
+    deferring = [e for e in replica_a["events"] if e.get("event") == "store.deferring"]
+    assert deferring and deferring[0]["context"] == "EngineDrivenTransferContext", deferring
 
 
 def test_admission_stores_only_what_the_policy_admits(

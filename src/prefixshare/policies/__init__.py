@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
         LoadSettings,
         Policy,
         ServerSettings,
+        StoreSettings,
         VerifySettings,
         load_policy_file,
         policy_from_mapping,
@@ -61,7 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _LAZY: dict[str, str] = {
     **dict.fromkeys(["list_presets", "preset_text"], "prefixshare.policies._load"),
     **dict.fromkeys(["FingerprintSettings", "L1Settings", "LoadSettings", "Policy", "ServerSettings",
-                     "VerifySettings", "load_policy_file", "policy_from_mapping"], "prefixshare.policies._model"),
+                     "StoreSettings", "VerifySettings", "load_policy_file", "policy_from_mapping"], "prefixshare.policies._model"),
     **dict.fromkeys(["legacy_config", "legacy_yaml", "server_argv", "server_env"], "prefixshare.policies._render"),
 }
 
@@ -87,6 +88,7 @@ __all__ = [
     "Policy",
     "Rule",
     "ServerSettings",
+    "StoreSettings",
     "TenantAllow",
     "VerifySettings",
     "legacy_config",

@@ -102,6 +102,18 @@ class LoadSettings(BaseModel):
     mode: Literal["auto", "always", "never"] = "always"
 
 
+class StoreSettings(BaseModel):
+    """How an engine's KV reaches the node's server."""
+
+    model_config = _STRICT
+
+    defer: bool = Field(
+        True, description="copy a step's KV into the server after the step has returned its tokens (the "
+        "engine keeps the blocks until the copy is done), so a miss's first token does not wait for the "
+        "store; false: inside the step, so a response implies its prefix is in the node's server. Applies "
+        "where LMCache's own copy is synchronous (CPU engines); accelerator paths are asynchronous already")
+
+
 class FingerprintSettings(BaseModel):
     """How the compatibility fingerprint identifies the model."""
 
@@ -180,6 +192,7 @@ class Policy(BaseModel):
     l2: list[TierConfig] = Field(default_factory=list, description="ordered L2 tiers")
     server: ServerSettings = Field(default_factory=ServerSettings)
     load: LoadSettings = Field(default_factory=LoadSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
     fingerprint: FingerprintSettings = Field(default_factory=FingerprintSettings)
     verify: VerifySettings = Field(default_factory=VerifySettings)
     #: rule config (see prefixshare.policies); None admits every prefix of at least one chunk.

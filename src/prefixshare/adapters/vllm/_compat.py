@@ -4,6 +4,9 @@
   the connector's worker side clears it to drop a step's transfers to a dead server.
 * :func:`registered_kv` — the KV tensors and layout hints as LMCache's connector registers them (after its
   KV-cache-group edits), for the stored-format check.
+* :func:`sync_store_context` — LMCache's worker adapter keeps its transfer context in ``transfer_ctx`` and
+  rebuilds it when a restarted server is re-registered; the synchronous engine-driven context (CPU engines)
+  is the one whose stores the connector defers (:mod:`prefixshare.adapters.vllm._deferred`).
 * :func:`apply` — a guarded fix for one vLLM 0.32 bug that breaks in-process engines once LMCache is imported.
 
 The bug:
@@ -49,3 +52,18 @@ def registered_kv(connector: Any, kv_caches: dict[str, Any]) -> tuple[dict[str, 
     hints = vllm_layout_hints(getattr(connector, "_vllm_config", None))
     edited = apply_kv_cache_group_edits(getattr(connector, "_kv_cache_config", None), kv_caches, layout_hints=hints)
     return dict(edited), dict(hints or {})
+
+
+def sync_store_context(worker_adapter: Any) -> Any:
+    """The worker adapter's transfer context when its stores run synchronously inside the engine step (LMCache's
+    ``EngineDrivenTransferContext`` exactly, not its asynchronous or accelerator-driven subclasses), else None."""
+    context = getattr(worker_adapter, "transfer_ctx", None)
+    if context is None:
+        return None
+    from lmcache.v1.multiprocess.transfer_context import EngineDrivenTransferContext
+
+    return context if type(context) is EngineDrivenTransferContext else None
+
+
+def set_transfer_context(worker_adapter: Any, context: Any) -> None:
+    worker_adapter.transfer_ctx = context

@@ -38,6 +38,7 @@ from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
 
 from prefixshare.adapters._format import verify_registered
 from prefixshare.adapters.vllm import _compat
+from prefixshare.adapters.vllm._deferred import DeferredStores
 from prefixshare.adapters.vllm._settings import engine_settings, model_dirs
 from prefixshare.runtime import ConnectorRuntime, PortCheck, RequestInfo
 
@@ -167,11 +168,14 @@ class PrefixShareConnector(LMCacheMPConnector):
             super().wait_for_save()
             return
         side.gate("STORE")
+        side.defer_stores()
         with side.submitting("STORE"):
             super().wait_for_save()
 
     # --- both roles -----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.drain()  # queued stores reach the server before the worker unregisters
         self.prefixshare.publish(force=True)
         if self.prefixshare.cost is not None:
             self.prefixshare.cost.save(force=True)
@@ -472,13 +476,55 @@ class SchedulerSide:
 
 
 class WorkerSide:
-    """prefixshare's work in each vLLM worker: before submitting a step's transfers, check the server is there."""
+    """prefixshare's work in each vLLM worker: before submitting a step's transfers, check the server is there;
+    copy a step's KV into the server after the step (policy ``store.defer``)."""
 
     def __init__(self, connector: PrefixShareConnector, address: tuple[str, int] | None) -> None:
         self.connector = connector
         self.address = address
         #: shared with the scheduler side's check in this process (a request pays one connect per TTL)
         self.port = PortCheck(address)
+        policy = connector.prefixshare.policy
+        self.stores = DeferredStores(policy.load.timeout_s, self._store_failed) if policy.store.defer else None
+
+    def defer_stores(self) -> None:
+        """Route this step's stores through the worker's store thread (see :mod:`._deferred`) when LMCache's
+        transfer context would make them inside the step; a context rebuilt after a server restart is
+        wrapped at its first store."""
+        if self.stores is None:
+            return
+        adapter = getattr(self.connector, "worker_adapter", None)
+        context = _compat.sync_store_context(adapter)
+        if context is not None:
+            _compat.set_transfer_context(adapter, self.stores.wrap(context))
+            self.connector.prefixshare.log.info(
+                "store.deferring", side="worker", context=type(context).__name__,
+                queued=self.stores.queued, completed=self.stores.completed, failed=self.stores.failed)
+
+    def drain(self) -> None:
+        stores = self.stores
+        if stores is None:
+            return
+        if not stores.drain():
+            self.connector.prefixshare.log.warning(
+                "store.drain_timeout", side="worker", pending=stores.depth(),
+                action="shut down without the stores still queued (their KV is not stored)")
+        self.connector.prefixshare.log.info(
+            "store.deferred", side="worker", queued=stores.queued, completed=stores.completed, failed=stores.failed,
+            max_depth=stores.max_depth)
+
+    def _store_failed(self, request_id: str, error: BaseException | None) -> None:
+        """A deferred store that raised (its RPC to the server failed or timed out) clears the health flag, as
+        a failed submit does; one the server refused (False) is LMCache's to report."""
+        if error is None:
+            return
+        event = _compat.worker_health_event(getattr(self.connector, "worker_adapter", None))
+        if event is not None:
+            event.clear()
+        self.connector.prefixshare.log.warning(
+            "store.transfer_failed", side="worker", direction="store", deferred=True, request_id=request_id,
+            error=f"{type(error).__name__}: {error}"[:300],
+            action="this request's KV is not stored; later stores dropped until the server answers")
 
     def check_format(self, kv_caches: dict[str, Any]) -> None:
         """The namespace's layout label must describe the KV LMCache copies from; stop the engine if not."""

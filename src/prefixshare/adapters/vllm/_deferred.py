@@ -1,0 +1,145 @@
+"""Stores after the first token: a request's KV is copied into the server off the engine's step.
+
+LMCache's worker copies a step's KV into the server in ``wait_for_save``, at the end of vLLM's forward pass.
+On accelerators it does that asynchronously (a copy stream, a commit thread); on a CPU engine its transfer
+context is synchronous: two RPCs to the server and the copy into the server's shared memory run inside the
+step, so the step's sampled token, a request's first token among them, waits for the store. That wait is
+what a miss costs on top of the raw engine (the benchmark's P7).
+
+:class:`DeferredStores` moves that work to one thread of the worker's own: ``submit_store`` queues it and
+returns an unresolved future, which LMCache's worker adapter already keeps per request; the request's blocks
+stay allocated until the future resolves, through vLLM's delayed block freeing (``request_finished`` returns
+True, ``get_finished`` reports the request once its store is done), exactly as for the accelerator path. The
+blocks a queued store reads are therefore never reused before it has read them:
+
+* a running request's blocks are its own; a finished one's are freed only after ``get_finished``;
+* a preempted request's blocks are freed at once, so vLLM flushes before the next forward
+  (``handle_preemptions`` -> ``flush_inflight_stores``), which here waits for the queue to drain;
+* shutdown drains the queue before the worker unregisters from the server (:meth:`drain`).
+
+One thread, in submission order: stores of the same request reach the server in the order they were
+produced. A store whose RPC fails or times out resolves False (the KV is simply not stored) and clears the
+worker's health flag, as a failed submit does (:class:`prefixshare.adapters.vllm.connector.WorkerSide`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+#: how long a flush (preemption) or a drain (shutdown) waits for queued stores, at most, beyond the RPC bound
+DRAIN_GRACE_S = 5.0
+
+
+class DeferredStores:
+    """One queue of stores per worker, shared by every transfer context the worker's adapter creates (a
+    restarted server makes the adapter build a new one)."""
+
+    def __init__(self, rpc_timeout_s: float, on_failure: Callable[[str, BaseException | None], None]) -> None:
+        self.rpc_timeout_s = rpc_timeout_s
+        self.on_failure = on_failure
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixshare-store")
+        self._lock = threading.Lock()
+        self._pending: set[threading.Event] = set()
+        self._closed = False
+        #: counters for tests and stats: stores queued, completed, failed; longest queue seen
+        self.queued = 0
+        self.completed = 0
+        self.failed = 0
+        self.max_depth = 0
+
+    def wrap(self, context: Any) -> Any:
+        """``context`` with its stores deferred (idempotent; any other context is returned as is)."""
+        if isinstance(context, DeferredContext):
+            return context
+        return DeferredContext(context, self)
+
+    def submit(self, request_id: str, run: Callable[[], Any], completion: Any) -> None:
+        """Queue ``run`` (the wrapped context's synchronous submit_store); ``completion`` gets its result."""
+        done = threading.Event()
+        with self._lock:
+            if self._closed:
+                completion.set_result(False)
+                return
+            self._pending.add(done)
+            self.queued += 1
+            self.max_depth = max(self.max_depth, len(self._pending))
+
+        def task() -> None:
+            ok = False
+            error: BaseException | None = None
+            try:
+                inner = run()
+                ok = bool(inner.result(timeout=self.rpc_timeout_s)) if inner is not None else False
+            except BaseException as exc:  # noqa: BLE001 - a store that fails is a store not made, never a crash
+                error = exc
+            finally:
+                with self._lock:
+                    self._pending.discard(done)
+                    if ok:
+                        self.completed += 1
+                    else:
+                        self.failed += 1
+                done.set()
+                completion.set_result(ok)
+            if not ok:
+                self.on_failure(request_id, error)
+
+        self._pool.submit(task)
+
+    def depth(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every store queued so far has finished (True) or ``timeout_s`` passed (False)."""
+        limit = self.rpc_timeout_s * 2 + DRAIN_GRACE_S if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        with self._lock:
+            pending = list(self._pending)
+        for done in pending:
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Refuse new stores, finish the queued ones (bounded), stop the thread."""
+        with self._lock:
+            self._closed = True
+        finished = self.flush(timeout_s)
+        self._pool.shutdown(wait=finished, cancel_futures=not finished)
+        return finished
+
+
+class DeferredContext:
+    """A synchronous transfer context whose ``submit_store`` returns before the copy; everything else is the
+    wrapped context's (``submit_retrieve`` stays synchronous: a load must be in the blocks before the step
+    that reads them)."""
+
+    def __init__(self, inner: Any, stores: DeferredStores) -> None:
+        self._inner = inner
+        self._stores = stores
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def submit_store(self, request_id: str, key: Any, kv_caches: Any, block_ids: Any, event: Any,
+                     blocks_in_chunk: int) -> Any:
+        from lmcache.v1.multiprocess.futures import MessagingFuture
+
+        completion: Any = MessagingFuture()
+        inner = self._inner
+        self._stores.submit(
+            request_id, lambda: inner.submit_store(request_id, key, kv_caches, block_ids, event, blocks_in_chunk),
+            completion)
+        return completion
+
+    def flush_inflight_stores(self) -> None:
+        self._stores.flush()
+        self._inner.flush_inflight_stores()
+
+    def close(self) -> None:
+        self._stores.flush()
+        self._inner.close()

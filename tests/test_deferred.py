@@ -1,0 +1,115 @@
+"""The worker's deferred stores (policy ``store.defer``), without an engine: order, flush, failure, drain.
+
+The engine-level proof (a replica whose stores were deferred serves another replica the same greedy tokens
+and logprobs as a cold run) is in tests/e2e/test_vllm_sharing.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from prefixshare.adapters.vllm._deferred import DeferredContext, DeferredStores
+
+pytest.importorskip("lmcache")
+from lmcache.v1.multiprocess.futures import MessagingFuture  # noqa: E402
+
+
+class SyncContext:
+    """Stands in for LMCache's synchronous engine-driven context: submit_store does the work and returns a
+    resolved future; ``gate`` holds a store until the test releases it."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail: dict[str, BaseException | bool] = {}
+        self.flushed = 0
+        self.closed = False
+        self.retrieves = 0
+
+    def submit_store(self, request_id: str, key: Any, kv: Any, blocks: Any, event: Any, n: int) -> Any:
+        assert self.gate.wait(10)
+        outcome = self.fail.get(request_id, True)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        self.order.append(request_id)
+        future: Any = MessagingFuture()
+        future.set_result(outcome)
+        return future
+
+    def submit_retrieve(self, *args: Any, **kwargs: Any) -> str:
+        self.retrieves += 1
+        return "retrieved"
+
+    def flush_inflight_stores(self) -> None:
+        self.flushed += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _store(ctx: DeferredContext, rid: str) -> Any:
+    return ctx.submit_store(rid, None, {}, [[0]], None, 1)
+
+
+def test_store_returns_before_the_copy_and_resolves_after() -> None:
+    inner, failures = SyncContext(), []
+    stores = DeferredStores(5.0, lambda rid, err: failures.append((rid, err)))
+    ctx = stores.wrap(inner)
+    inner.gate.clear()
+    started = time.monotonic()
+    future = _store(ctx, "a")
+    assert time.monotonic() - started < 1.0 and not future.query()  # the step did not wait for the copy
+    assert stores.depth() == 1
+    inner.gate.set()
+    assert future.result(timeout=5) is True
+    assert inner.order == ["a"] and stores.completed == 1 and not failures
+    assert ctx.submit_retrieve() == "retrieved" and inner.retrieves == 1  # everything else is the inner's
+    assert stores.wrap(ctx) is ctx  # wrapping twice is a no-op
+    assert stores.drain()
+
+
+def test_submission_order_and_flush_waits_for_every_queued_store() -> None:
+    inner = SyncContext()
+    stores = DeferredStores(5.0, lambda rid, err: None)
+    ctx = stores.wrap(inner)
+    inner.gate.clear()
+    futures = [_store(ctx, f"r{i}") for i in range(6)]
+    assert stores.max_depth == 6
+    threading.Timer(0.3, inner.gate.set).start()
+    ctx.flush_inflight_stores()  # what vLLM calls before a forward that may reuse a preempted request's blocks
+    assert all(f.query() for f in futures) and inner.flushed == 1
+    assert inner.order == [f"r{i}" for i in range(6)]
+    assert stores.drain()
+
+
+def test_a_store_that_raises_resolves_false_and_reports_the_error() -> None:
+    inner, failures = SyncContext(), []
+    stores = DeferredStores(5.0, lambda rid, err: failures.append((rid, type(err).__name__ if err else None)))
+    ctx = stores.wrap(inner)
+    inner.fail = {"dead": TimeoutError("PREPARE_STORE timed out"), "refused": False}
+    results = [_store(ctx, rid).result(timeout=5) for rid in ("dead", "refused", "ok")]
+    assert results == [False, False, True]
+    assert failures == [("dead", "TimeoutError"), ("refused", None)]
+    assert (stores.completed, stores.failed) == (1, 2)
+    assert stores.drain()
+
+
+def test_drain_is_bounded_and_refuses_new_stores() -> None:
+    inner = SyncContext()
+    stores = DeferredStores(5.0, lambda rid, err: None)
+    ctx = stores.wrap(inner)
+    inner.gate.clear()
+    stuck = _store(ctx, "stuck")
+    started = time.monotonic()
+    assert stores.drain(timeout_s=0.3) is False  # a store that never finishes does not hang shutdown
+    assert time.monotonic() - started < 2.0
+    late = _store(ctx, "late")
+    assert late.query() and late.result() is False  # after drain: refused at once, never queued
+    inner.gate.set()
+    assert stuck.result(timeout=5) is True
+    ctx.close()
+    assert inner.closed
