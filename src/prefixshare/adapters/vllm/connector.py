@@ -49,6 +49,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: LMCache MP connector settings we default (users may override them in the extra config)
 HEARTBEAT_S = 1.0
+#: how long one lookup call may wait for the server's answer inside a scheduler pass, and all of a step's
+#: lookup calls together: a miss (or a hit already in the server's memory) is answered in ~1.5 ms, where
+#: waiting for the next passes costs two engine steps (30-50 ms measured on a CPU engine); a hit still being
+#: read from L2 is polled at later steps as before
+PROBE_WAIT_S = 0.005
+PROBE_STEP_BUDGET_S = 0.010
+PROBE_POLL_S = 0.0002
 _BYPASS = LMCacheMPRequestState.BYPASS_LMCACHE
 
 
@@ -114,10 +121,18 @@ class PrefixShareConnector(LMCacheMPConnector):
         # an answer on that first call leaves no stamp, so remember when this call began.
         started = tracker.lookup_started_at or time.monotonic()
         matched, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        wait = side.probe_wait()
+        while matched is None and wait.more():
+            # LMCache's lookup is three round trips (lookup, its acknowledgement, the prefetch status), one per
+            # scheduler pass; a server answers a miss in about a millisecond, so wait that long in this pass
+            # instead of two more engine steps (see SchedulerSide.probe_wait)
+            matched, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return side.after_lookup(request, tracker, num_computed_tokens, started, failed_load, matched, is_async)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         side = self.scheduler_side
+        if side is not None:
+            side.probe_budget_s = PROBE_STEP_BUDGET_S  # a new scheduler step
         # only steps that compute tokens are timed (on_step_scheduled); while lookups are pending the engine
         # steps with nothing scheduled, dozens of times per request, and needs no scan of every tracker
         loading = side is not None and scheduler_output.total_num_scheduled_tokens > 0 and side.loading()
@@ -202,6 +217,8 @@ class SchedulerSide:
         #: chunks a bypassed lookup found in the store (not re-stored, not counted as stored by us),
         #: lookups abandoned while running (their locks are released once the server has settled them)
         self.steps: deque[tuple[float, list[tuple[str, int, int, int]], bool]] = deque(maxlen=64)
+        #: what this scheduler step may still spend waiting for lookup answers (see probe_wait)
+        self.probe_budget_s = PROBE_STEP_BUDGET_S
         self.decided: set[str] = set()
         self.present: dict[str, int] = {}
         self.abandoned: set[str] = set()
@@ -292,6 +309,11 @@ class SchedulerSide:
         engine recomputes)."""
         return (tracker.state == LMCacheMPRequestState.READY and request.num_computed_tokens == 0
                 and tracker.num_lmcache_hit_tokens > 0)
+
+    def probe_wait(self) -> _ProbeWait:
+        """A bounded wait for the answer of a lookup just asked: at most ``PROBE_WAIT_S`` for this call and what
+        is left of this step's ``PROBE_STEP_BUDGET_S``."""
+        return _ProbeWait(self)
 
     # --- after LMCache's lookup call --------------------------------------------------------------------------
     def after_lookup(self, request: Request, tracker: Any, num_computed_tokens: int, started: float,
@@ -473,6 +495,22 @@ class SchedulerSide:
         if self.runtime.cost is not None:
             self.runtime.cost.forget(rid)
         return stored
+
+
+class _ProbeWait:
+    """``more()`` sleeps one poll interval and says whether to ask LMCache again; charged to the step's budget."""
+
+    def __init__(self, side: SchedulerSide) -> None:
+        self.side = side
+        self.deadline = time.monotonic() + min(PROBE_WAIT_S, max(0.0, side.probe_budget_s))
+
+    def more(self) -> bool:
+        now = time.monotonic()
+        if now + PROBE_POLL_S > self.deadline:
+            return False
+        time.sleep(PROBE_POLL_S)
+        self.side.probe_budget_s -= time.monotonic() - now
+        return True
 
 
 class WorkerSide:
