@@ -137,6 +137,7 @@ def fs_l2_round(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, pa
     from lmcache.v1.distributed.api import ObjectKey
 
     tag = uuid.uuid4().hex[:8]
+    before = set(_files(directory))
     keys = [ObjectKey(chunk_hash=os.urandom(16), model_name=f"bench-{tag}", kv_rank=0) for _ in range(chunks)]
     objs = [_Obj(chunk_bytes) for _ in range(chunks)]
     for o in objs:
@@ -152,7 +153,7 @@ def fs_l2_round(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, pa
     reads: list[float] = []
     for evicted in (False, True):
         if evicted:
-            for f in directory.glob(f"bench-{tag}@*"):
+            for f in set(_files(directory)) - before:
                 evict(f)
         t0 = time.perf_counter()
         task = adapter.submit_load_task(keys, dst)
@@ -163,23 +164,46 @@ def fs_l2_round(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, pa
             raise RuntimeError(f"fs L2 load returned {bitmap.popcount()} of {chunks} chunks")
     if bytes(dst[0].byte_array) != payload:
         raise RuntimeError("fs L2 load returned other bytes than were stored")
-    for f in directory.glob(f"bench-{tag}@*"):
+    for f in set(_files(directory)) - before:
         f.unlink()
     return write, reads[0], reads[1]
 
 
-def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int, *, checked: bool = True) -> dict[str, Any]:
-    """Store and load ``chunks`` objects of ``chunk_bytes`` through the MP server's fs tier adapter, driven
-    directly, page cache warm and evicted: the store path without the engine. ``checked``: prefixshare's adapter
-    (LMCache's fs adapter plus the integrity digest, the fs tier's default); else LMCache's plain one."""
+def _files(directory: Path) -> list[Path]:
+    """Every file under ``directory`` (the adapters name and nest their files differently)."""
+    return [p for p in directory.rglob("*") if p.is_file()]
+
+
+#: the fs L2 adapters P3 measures: prefixshare's checked adapter (the fs tier's default), LMCache's plain Python one
+#: (``fs``) and LMCache's native C++ one (``fs_native``, worker threads)
+FS_ADAPTERS = ("checked", "plain", "native")
+
+
+def fs_adapter(kind: str, directory: Path, io_threads: int = 4) -> Any:
+    """One fs L2 adapter over ``directory``, as the MP server would build it."""
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+    if kind == "native":
+        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+        from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import FSNativeL2AdapterConfig
+
+        return create_l2_adapter(FSNativeL2AdapterConfig(base_path=str(directory), num_workers=io_threads))
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 
+    config = FSL2AdapterConfig(base_path=str(directory))
+    if kind == "plain":
+        return FSL2Adapter(config)
     from prefixshare.server.plugins.fs import CheckedFSL2Adapter
 
+    return CheckedFSL2Adapter(config)
+
+
+def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int, *, checked: bool = True,
+             kind: str | None = None) -> dict[str, Any]:
+    """Store and load ``chunks`` objects of ``chunk_bytes`` through one of the MP server's fs L2 adapters
+    (``kind``, see :data:`FS_ADAPTERS`; ``checked`` picks prefixshare's or LMCache's plain one when ``kind`` is
+    not given), driven directly, page cache warm and evicted: the store path without the engine."""
     directory.mkdir(parents=True, exist_ok=True)
-    config = FSL2AdapterConfig(base_path=str(directory))
-    adapter = CheckedFSL2Adapter(config) if checked else FSL2Adapter(config)
+    adapter = fs_adapter(kind or ("checked" if checked else "plain"), directory)
     payload = os.urandom(chunk_bytes)
     writes, warm, cold = [], [], []
     try:

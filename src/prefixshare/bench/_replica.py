@@ -13,6 +13,11 @@ Steps (each may carry a ``tag`` that is copied into its result):
   (the engine runs in this process: scheduler, worker and connector).
 * ``{"op": "warm", "doc_id": ID, "text": TEXT}`` — :func:`prefixshare.warm.warm` on one document (the
   pre-warm path); returns its wall time, the report and the document's prefix token ids.
+* ``{"op": "warm_corpus", "docs": [[ID, TEXT], ...], "batch_tokens": N}`` — :func:`prefixshare.warm.warm`
+  over a whole corpus in one call (P6's corpus); returns its wall time, the report's totals and rates, the
+  store's bytes written as the progress reported them, and every document's prefix token ids.
+* ``{"op": "prefill_batches", "docs": [[ids...], ...], "batch_tokens": N}`` — the same documents prefilled by
+  this engine in batches of about N tokens, as warm batches them (the raw engine's reference for the corpus).
 * ``{"op": "fadvise", "dir": PATH}`` — evict a directory's files from the page cache (POSIX_FADV_DONTNEED).
 * ``{"op": "throttle", "path": PATH, "chunk_delay_s": S}`` — set a throttled store's delay (its control file,
   :func:`prefixshare.bench._procs.set_throttle`); the server reads it at its next load. Or, calibrated on this
@@ -177,6 +182,12 @@ class _Steps:
         elif step["op"] == "warm":
             out.update(_warm(self.llm, self.ps, step))
             self.requests += 1
+        elif step["op"] == "warm_corpus":
+            out.update(_warm_corpus(self.llm, self.ps, step))
+            self.requests += out["report"]["totals"]["warmed"]
+        elif step["op"] == "prefill_batches":
+            out.update(_prefill_batches(self.llm, step))
+            self.requests += len(step["docs"])
         elif step["op"] == "throttle":
             out.update(_throttle(step, self.done))
         else:
@@ -369,6 +380,47 @@ def _warm(llm: Any, ps: Any, step: dict[str, Any]) -> dict[str, Any]:
     out["seconds"] = time.perf_counter() - t0
     out["report"] = report.to_dict()
     return out
+
+
+def _warm_corpus(llm: Any, ps: Any, step: dict[str, Any]) -> dict[str, Any]:
+    """A ``warm_corpus`` step: one warm() call over every document, its progress reports kept."""
+    from prefixshare.warm import as_template, prefix_ids, warm
+
+    tok = llm.get_tokenizer()
+    template = as_template(None).resolve(tok)
+    samples: list[dict[str, Any]] = []
+
+    def progress(p: Any) -> None:
+        samples.append({"phase": p.phase, "elapsed_s": round(p.elapsed_s, 3), "bytes_done": p.bytes_done,
+                        "stored_bytes": p.stored_bytes, "documents_done": p.documents_done})
+
+    t0 = time.perf_counter()
+    report = warm(ps, dict(step["docs"]), llm, strict=False, batch_tokens=int(step["batch_tokens"]),
+                  progress=progress)
+    seconds = time.perf_counter() - t0
+    full = report.to_dict()
+    return {"seconds": seconds, "report": {k: full[k] for k in ("totals", "rates", "ok", "verification")},
+            "progress": samples, "ids": [prefix_ids(tok, template, text) for _, text in step["docs"]]}
+
+
+def _prefill_batches(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    """A ``prefill_batches`` step: the documents in warm's batches, one token each, timed as a whole."""
+    import vllm
+
+    params = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    batches: list[list[list[int]]] = [[]]
+    size = 0
+    for ids in step["docs"]:
+        if batches[-1] and size + len(ids) > int(step["batch_tokens"]):
+            batches.append([])
+            size = 0
+        batches[-1].append(ids)
+        size += len(ids)
+    t0 = time.perf_counter()
+    for batch in batches:
+        llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+    return {"seconds": time.perf_counter() - t0, "batches": len(batches),
+            "tokens": sum(len(ids) for ids in step["docs"])}
 
 
 if __name__ == "__main__":

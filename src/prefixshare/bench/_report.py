@@ -92,12 +92,14 @@ def _plot_store(plt: Any, results: dict[str, Any], label: str) -> Any:
     lengths = sorted(int(n) for n in rows)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     kinds = [("write", "write_gbps"), ("read, cache", "read_warm_gbps"), ("read, evicted", "read_evicted_gbps")]
-    sources = (("raw", "tab:gray", "raw sequential"), ("fs_l2_plain", "tab:orange", "LMCache fs adapter"),
-               ("fs_l2", "tab:blue", "prefixshare fs tier (blake3)"))
-    width = 0.09
+    sources = [("raw", "tab:gray", "raw sequential"), ("fs_l2_plain", "tab:orange", "LMCache fs adapter"),
+               ("fs_l2_native", "tab:green", "LMCache fs_native adapter"),
+               ("fs_l2", "tab:blue", "prefixshare fs tier (blake3)")]
+    sources = [src for src in sources if src[0] in rows[str(lengths[0])]["io"]]
+    width = 0.9 / (3 * len(sources))
     for j, (name, key) in enumerate(kinds):
         for k, (src, color, what) in enumerate(sources):
-            xs = [i + (3 * j + k - 4) * width for i in range(len(lengths))]
+            xs = [i + (len(sources) * j + k - (3 * len(sources) - 1) / 2) * width for i in range(len(lengths))]
             ys = [rows[str(n)]["io"][src][key]["median"] for n in lengths]
             ax.bar(xs, ys, width, color=color, alpha=0.35 + 0.2 * j, label=f"{what}: {name}")
     ax.set_xticks(range(len(lengths)), [f"{n} tok\n{rows[str(n)]['kv_bytes'] / 1e6:.0f} MB" for n in lengths])
@@ -152,6 +154,7 @@ def render_markdown(results: dict[str, Any], docs_path: Path) -> str:
     lines += _md_sweep(results)
     lines += _md_overhead(rows, lengths)
     lines += _md_prewarm(rows, slow)
+    lines += _md_corpus(results.get("corpus"))
     lines += _md_kv_bytes(results)
     lines += _md_plots(results, docs_path)
     lines += _where_time_goes(results)
@@ -321,29 +324,42 @@ def _md_miss(rows: dict[str, Any], lengths: list[int]) -> list[str]:
 
 def _md_store(rows: dict[str, Any], lengths: list[int]) -> list[str]:
     """P3: the fs tier's adapters vs raw sequential I/O, per length."""
+    native = all("fs_l2_native" in rows[str(n)]["io"] for n in lengths)
+    sources = ["raw", "fs_l2_plain", *(["fs_l2_native"] if native else []), "fs_l2"]
+    names = {"raw": "raw", "fs_l2_plain": "LMCache fs", "fs_l2_native": "LMCache fs_native", "fs_l2": "prefixshare"}
+    head = ["n", "MB"]
+    for what in ("write", "read (cache)", "read (evicted)"):
+        head += [f"{names[src]} {what}" for src in sources]
+    head += [f"{names[src]}/raw w, r, r ev" for src in sources[1:]]
     lines = [
         "",
         "## P3: the store medium — fs tier adapters vs raw sequential I/O (GB/s)",
         "",
         "The MP server's fs L2 adapters driven directly (no engine), one file per chunk, written without fsync like "
-        "the server does: *LMCache*: LMCache's plain fs adapter; *prefixshare*: the fs tier's adapter (LMCache's "
-        "plus the integrity digest: blake3 over every chunk, on store and on load; `integrity: none` drops it). "
-        "*Raw*: one file of the same total size, sequential `write`/`readinto`. The goal is judged on prefixshare's "
-        "adapter, the one users get.",
+        "the server does: *LMCache fs*: LMCache's plain Python fs adapter; *LMCache fs_native*: LMCache's native "
+        "(C++) fs adapter, 4 worker threads, no integrity check; *prefixshare*: the fs tier's adapter (LMCache's "
+        "file layout, a pool of 4 I/O threads, and the integrity digest: blake3 over every chunk, on store and on "
+        "load; `integrity: none` drops it). *Raw*: one file of the same total size, sequential `write`/`readinto`. "
+        "The goal is judged on prefixshare's adapter, the one users get.",
         "",
-        "| n | MB | raw write | LMCache write | prefixshare write | raw read (cache) | LMCache read | prefixshare read "
-        "| raw read (evicted) | LMCache read | prefixshare read | LMCache/raw w, r, r ev | prefixshare/raw w, r, r ev |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
     ]
     for n in lengths:
         r = rows[str(n)]
-        io, ours, plain = r["io"], r["fs_l2_over_raw"], r["fs_l2_plain_over_raw"]
+        io = r["io"]
         cells = [f"{_gb(io[src][key])}" for key in ("write_gbps", "read_warm_gbps", "read_evicted_gbps")
-                 for src in ("raw", "fs_l2_plain", "fs_l2")]
-        lines.append(f"| {n} | {r['kv_bytes'] / 1e6:.0f} | " + " | ".join(cells) + " | "
-                     f"{plain['write']:.2f} / {plain['read_warm']:.2f} / {plain['read_evicted']:.2f} | "
-                     f"{ours['write']:.2f} / {ours['read_warm']:.2f} / {ours['read_evicted']:.2f} |")
+                 for src in sources]
+        for src in sources[1:]:
+            ratio = _over(io, src)
+            cells.append(f"{ratio['write']:.2f} / {ratio['read_warm']:.2f} / {ratio['read_evicted']:.2f}")
+        lines.append(f"| {n} | {r['kv_bytes'] / 1e6:.0f} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _over(io: dict[str, Any], src: str) -> dict[str, float]:
+    fs, rw = io[src], io["raw"]
+    return {k: fs[f"{k}_gbps"]["median"] / rw[f"{k}_gbps"]["median"] for k in ("write", "read_warm", "read_evicted")}
 
 
 def _md_sweep(results: dict[str, Any]) -> list[str]:
@@ -482,6 +498,29 @@ def _md_prewarm(rows: dict[str, Any], slow: list[int]) -> list[str]:
     return lines
 
 
+def _md_corpus(c: dict[str, Any] | None) -> list[str]:
+    """P6's corpus: one warm() call over many documents vs the raw engine prefilling them."""
+    if not c:
+        return []
+    store = c.get("store_write_gbps_during_prefill")
+    return [
+        "",
+        f"**A corpus.** One `warm()` call over {c['documents']} documents of about {c['tokens'] // max(c['documents'], 1)} "
+        f"tokens ({c['tokens']:,} tokens, {c['kv_bytes'] / 1e6:.0f} MB of KV; the same as `prefixshare warm DIR`), "
+        f"against vLLM without prefixshare prefilling the same token ids in the same {c['raw_batches']} batches:",
+        "",
+        "| | wall time | documents/s | KV GB/s | ratio |",
+        "|---|---|---|---|---|",
+        f"| raw prefill | {c['raw_s']:.1f} s | {c['raw_documents_per_s']:.2f} | {c['raw_kv_gbps']:.3f} | 1.00× |",
+        f"| `warm()` | {c['warm_s']:.1f} s | {c['warm_documents_per_s']:.2f} | {c['warm_kv_gbps']:.3f} | "
+        f"{c['warm_over_raw']:.2f}× |",
+        "",
+        f"{c['warmed']} warmed, {c['failed']} not, {c.get('verified')} verified in the store; "
+        + (f"the store's write rate while prefilling (KV of the call's chunks found in the fs tier over time, as "
+           f"warm's progress bar shows it): {store:.3f} GB/s." if store is not None else "no fs tier to watch."),
+    ]
+
+
 def _md_kv_bytes(results: dict[str, Any]) -> list[str]:
     """KV bytes per token measured from the store's files vs ``prefixshare plan``."""
     s, kv = results["settings"], results["kv_bytes_per_token"]
@@ -562,12 +601,12 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
         out.append("")
     if not goals["P3"]["pass"]:
         out += [
-            "**The fs L2 path (P3).** The fs tier writes and reads one file per chunk, chunk after chunk (LMCache's "
-            "file layout: `lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py`), and hashes every chunk with blake3 "
-            "(its rate in this run is in the floor's table above); the raw reference is one sequential "
+            "**The fs L2 path (P3).** The fs tier writes and reads one file per chunk (LMCache's file layout: "
+            "`lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py`) through a pool of 4 I/O threads, and hashes "
+            "every chunk with blake3 in the thread that writes or reads it (blake3's rate in this run is in the "
+            "floor's table above); the raw reference is one sequential "
             "stream over one file (larger kernel read-ahead, no per-file work); the ratios per length are in the "
-            "P3 table, LMCache's plain adapter beside ours. LMCache also ships a native (C++) fs adapter "
-            "(`fs_native`, worker threads) that prefixshare's fs tier does not use yet; not measured here.",
+            "P3 table, LMCache's plain and native (C++, worker threads, no integrity check) adapters beside ours.",
             "",
         ]
     if not goals.get("P5_calls", goals["P5"]).get("pass", True):

@@ -214,6 +214,19 @@ def _shutdown(llm: Any) -> None:
             shutdown()
 
 
+def _rates(p: Any, state: dict[str, Any]) -> str:
+    """KV prefilled per second and, where the store is a directory, KV written to it per second (the last
+    measured value stays shown between prefill reports)."""
+    if p.elapsed_s <= 0:
+        return state.get("rate", "")
+    text = f"prefill {human_size(int(p.bytes_done / p.elapsed_s))}/s"
+    if p.stored_bytes is not None:
+        text += f", store {human_size(int(p.stored_bytes / p.elapsed_s))}/s"
+    if p.phase == "prefill":
+        state["rate"] = text
+    return state.get("rate", text)
+
+
 def _progress(enabled: bool) -> tuple[Any, Any]:
     """A rich progress bar on stderr, shown from the first report (so an early error prints no empty bar)."""
     if not enabled:
@@ -230,7 +243,8 @@ def _progress(enabled: bool) -> tuple[Any, Any]:
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
         TextColumn("{task.fields[docs]} docs"), TextColumn("{task.fields[tokens]} tokens"),
-        TextColumn("{task.fields[size]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        TextColumn("{task.fields[size]}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
+        TimeRemainingColumn(),
         console=err, transient=False,
     )
     state: dict[str, Any] = {}
@@ -238,13 +252,14 @@ def _progress(enabled: bool) -> tuple[Any, Any]:
     def callback(p: Any) -> None:
         if "task" not in state:
             progress.start()
-            state["task"] = progress.add_task("warming", total=p.tokens_total or None, docs="", tokens="", size="")
+            state["task"] = progress.add_task("warming", total=p.tokens_total or None, docs="", tokens="", size="",
+                                              rate="")
         progress.update(state["task"], total=p.tokens_total or None, completed=p.tokens_done,
                         description={"plan": "warming", "prefill": "warming", "verify": "verifying",
                                      "done": "done"}.get(p.phase, p.phase),
                         docs=f"{p.documents_done}/{p.documents_total}",
                         tokens=f"{p.tokens_done:,}/{p.tokens_total:,}",
-                        size=f"{human_size(p.bytes_done)}/{human_size(p.bytes_total)}")
+                        size=f"{human_size(p.bytes_done)}/{human_size(p.bytes_total)}", rate=_rates(p, state))
 
     @contextlib.contextmanager
     def running() -> Iterator[None]:
@@ -273,7 +288,11 @@ def _print_report(report: Any) -> None:
         table.add_row(escape(d.id), f"[{style}]{d.status}[/]", f"{d.tokens:,}", str(d.chunks), human_size(d.bytes),
                       f"{d.seconds:.2f}" if d.seconds is not None else "-", escape(d.reason))
     out.print(table)
-    t = report.totals()
+    t, rates = report.totals(), report.rates()
+    if rates["documents_per_s"] is not None:
+        out.print(f"{rates['documents_per_s']:.2f} documents/s, {rates['tokens_per_s']:,.0f} tokens/s, "
+                  f"KV {rates['kv_gbps']:.3f} GB/s over the whole run ({rates['prefill_kv_gbps']:.3f} GB/s while "
+                  f"prefilling, {rates['prefill_s']:.1f} s)")
     out.print(f"{t['warmed']} warmed, {t['skipped']} already warm, {t['too_short']} too short, "
               f"{t['failed']} not warmed; {t['warmed_tokens']:,} tokens ({human_size(t['warmed_bytes'])}) written "
               f"in {report.seconds:.1f} s; {t.get('verified', 0)} verified in the store, {t.get('unverified', 0)} "
