@@ -107,6 +107,8 @@ class WarmReport:
     seconds: float = 0.0
     #: how prefilled documents were checked: "fs", "server" or "off"
     verification: str = VERIFY_OFF
+    #: seconds the engine spent prefilling (the batches' wall time, planning and verification excluded)
+    prefill_seconds: float = 0.0
 
     def _with(self, *statuses: str) -> list[DocumentResult]:
         return [d for d in self.documents if d.status in statuses]
@@ -145,10 +147,24 @@ class WarmReport:
             "stored_bytes": sum(d.bytes for d in self._with(WARMED, SKIPPED)),
         }
 
+    def rates(self) -> dict[str, float | None]:
+        """Warmed documents, tokens and KV bytes per second of the whole call (planning and verification
+        included), and the KV bytes per second of the prefill alone."""
+        warmed = self.warmed
+        kv = sum(d.bytes for d in warmed)
+
+        def per(n: float, seconds: float) -> float | None:
+            return round(n / seconds, 3) if seconds > 0 and warmed else None
+
+        return {"documents_per_s": per(len(warmed), self.seconds),
+                "tokens_per_s": per(sum(d.chunk_tokens for d in warmed), self.seconds),
+                "kv_gbps": per(kv / 1e9, self.seconds), "prefill_s": round(self.prefill_seconds, 3),
+                "prefill_kv_gbps": per(kv / 1e9, self.prefill_seconds)}
+
     def to_dict(self) -> dict[str, Any]:
         return {"namespace": self.namespace, "fingerprint": self.fingerprint, "engine": self.engine,
                 "chunk_size": self.chunk_size, "store": self.store, "seconds": round(self.seconds, 3),
-                "verification": self.verification, "ok": self.ok, "totals": self.totals(),
+                "verification": self.verification, "ok": self.ok, "totals": self.totals(), "rates": self.rates(),
                 "documents": [asdict(d) for d in self.documents]}
 
 
@@ -164,6 +180,11 @@ class WarmProgress:
     bytes_done: int
     bytes_total: int
     current: str | None = None
+    #: seconds since warm() began
+    elapsed_s: float = 0.0
+    #: KV bytes of this call's chunks already in the fs tier's directory (None: no directory tier to look in);
+    #: with ``elapsed_s``, the store's write rate
+    stored_bytes: int | None = None
 
 
 @dataclass
@@ -375,7 +396,18 @@ class _WarmRun:
                                engine=self.eng.kind, total_tokens=self.tokens_total, finished=phase == "done")
         if self.progress is not None:
             self.progress(WarmProgress(phase, done["documents"], len(self.todo), done["tokens"], self.tokens_total,
-                                       done["bytes"], self.bytes_total, current))
+                                       done["bytes"], self.bytes_total, current,
+                                       elapsed_s=time.monotonic() - self.started,
+                                       stored_bytes=self.stored_bytes() if phase == "prefill" else None))
+
+    def stored_bytes(self) -> int | None:
+        """KV bytes of the chunks of ``todo`` the directory tiers hold now (a names-only scan; None without a
+        directory tier)."""
+        if not self.dirs or not self.todo:
+            return None
+        index = NamespaceIndex.scan(self.dirs, self.ns)
+        chunks = sum(len(i.hashes) - len(index.missing(i.hashes, self.salt)) for i in self.todo)
+        return chunks * self.policy.chunk_size * self.kv_per_token
 
     def server_lookup(self, timeout_s: float) -> ServerLookup | None:
         """The node's MP server, asked which chunks it holds (opened once per run; None: it cannot answer, and
@@ -496,6 +528,7 @@ class _WarmRun:
             requests = [PrefillRequest(i.ids, _params(i.doc.id, len(i.ids), tenant), engine_salt) for i in batch]
             results = self.eng.prefill(requests)
             seconds = time.monotonic() - t0
+            self.report.prefill_seconds += seconds
             batch_tokens_n = sum(len(i.ids) for i in batch) or 1
             for item, res in zip(batch, results, strict=True):
                 assert item.result is not None
