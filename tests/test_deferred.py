@@ -113,3 +113,18 @@ def test_drain_is_bounded_and_refuses_new_stores() -> None:
     assert stuck.result(timeout=5) is True
     ctx.close()
     assert inner.closed
+
+
+def test_stores_queued_behind_a_dead_server_are_dropped_unsent() -> None:
+    """Once the worker knows the server is down (its health flag cleared), a queued store resolves False at
+    once instead of waiting out its RPC timeout while the engine holds its blocks."""
+    inner = SyncContext()
+    up = threading.Event()
+    stores = DeferredStores(5.0, lambda rid, err: None, healthy=up.is_set)
+    ctx = stores.wrap(inner)
+    futures = [_store(ctx, f"r{i}") for i in range(3)]
+    assert [f.result(timeout=5) for f in futures] == [False, False, False]
+    assert inner.order == [] and stores.dropped == 3 and stores.failed == 3
+    up.set()
+    assert _store(ctx, "back").result(timeout=5) is True and inner.order == ["back"]
+    assert stores.drain()

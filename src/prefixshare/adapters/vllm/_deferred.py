@@ -19,7 +19,8 @@ blocks a queued store reads are therefore never reused before it has read them:
 
 One thread, in submission order: stores of the same request reach the server in the order they were
 produced. A store whose RPC fails or times out resolves False (the KV is simply not stored) and clears the
-worker's health flag, as a failed submit does (:class:`prefixshare.adapters.vllm.connector.WorkerSide`).
+worker's health flag, as a failed submit does (:class:`prefixshare.adapters.vllm.connector.WorkerSide`); the
+stores queued behind it are then dropped unsent, as LMCache drops a store submitted to a server it knows is down.
 """
 
 from __future__ import annotations
@@ -33,13 +34,21 @@ from typing import Any, Callable
 DRAIN_GRACE_S = 5.0
 
 
+class _Dropped(Exception):
+    """A queued store not sent: the server is known to be down."""
+
+
 class DeferredStores:
     """One queue of stores per worker, shared by every transfer context the worker's adapter creates (a
     restarted server makes the adapter build a new one)."""
 
-    def __init__(self, rpc_timeout_s: float, on_failure: Callable[[str, BaseException | None], None]) -> None:
+    def __init__(self, rpc_timeout_s: float, on_failure: Callable[[str, BaseException | None], None],
+                 healthy: Callable[[], bool] = lambda: True) -> None:
         self.rpc_timeout_s = rpc_timeout_s
         self.on_failure = on_failure
+        #: the worker's view of the server: a queued store is dropped at once (resolves False) when it is down,
+        #: so stores queued behind a failure do not each wait out the RPC timeout while holding their blocks
+        self.healthy = healthy
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixshare-store")
         self._lock = threading.Lock()
         self._pending: set[threading.Event] = set()
@@ -48,6 +57,7 @@ class DeferredStores:
         self.queued = 0
         self.completed = 0
         self.failed = 0
+        self.dropped = 0  # of the failed: dropped unsent because the server was down
         self.max_depth = 0
 
     def wrap(self, context: Any) -> Any:
@@ -71,8 +81,12 @@ class DeferredStores:
             ok = False
             error: BaseException | None = None
             try:
+                if not self.healthy():
+                    raise _Dropped
                 inner = run()
                 ok = bool(inner.result(timeout=self.rpc_timeout_s)) if inner is not None else False
+            except _Dropped:
+                self.dropped += 1
             except BaseException as exc:  # noqa: BLE001 - a store that fails is a store not made, never a crash
                 error = exc
             finally:

@@ -523,7 +523,8 @@ class WorkerSide:
         #: shared with the scheduler side's check in this process (a request pays one connect per TTL)
         self.port = PortCheck(address)
         policy = connector.prefixshare.policy
-        self.stores = DeferredStores(policy.load.timeout_s, self._store_failed) if policy.store.defer else None
+        self.stores = (DeferredStores(policy.load.timeout_s, self._store_failed, self._server_healthy)
+                       if policy.store.defer else None)
 
     def defer_stores(self) -> None:
         """Route this step's stores through the worker's store thread (see :mod:`._deferred`) when LMCache's
@@ -549,7 +550,11 @@ class WorkerSide:
                 action="shut down without the stores still queued (their KV is not stored)")
         self.connector.prefixshare.log.info(
             "store.deferred", side="worker", queued=stores.queued, completed=stores.completed, failed=stores.failed,
-            max_depth=stores.max_depth)
+            dropped=stores.dropped, max_depth=stores.max_depth)
+
+    def _server_healthy(self) -> bool:
+        event = _compat.worker_health_event(getattr(self.connector, "worker_adapter", None))
+        return event is None or event.is_set()
 
     def _store_failed(self, request_id: str, error: BaseException | None) -> None:
         """A deferred store that raised (its RPC to the server failed or timed out) clears the health flag, as
