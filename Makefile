@@ -34,13 +34,16 @@ test: $(STAMP) services
 	$(PY) -m pytest -ra --durations=15 $(PYTEST_ARGS)
 
 # Servers the tier tests start on loopback (a real Redis for the resp/valkey tiers), and the RDMA verbs
-# library Mooncake's client links even over TCP (mooncake_store tier). On CI a missing one is an error;
-# elsewhere those tests skip with the reason.
+# library Mooncake's client links even over TCP (mooncake_store tier), and nftables for the network lab's
+# packet loss and cut links (tests/lab). On CI a missing one is an error; elsewhere those tests skip with the
+# reason.
 services:
 	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server >/dev/null; } \
 	  || { echo "redis-server could not be installed"; test -z "$$CI"; }
 	@/sbin/ldconfig -p | grep -q libibverbs.so.1 || { apt-get update -q && apt-get install -y -q libibverbs1 >/dev/null; } \
 	  || { echo "libibverbs1 could not be installed"; test -z "$$CI"; }
+	@command -v nft >/dev/null || { apt-get update -q && apt-get install -y -q nftables >/dev/null; } \
+	  || { echo "nftables could not be installed (the network lab's loss and cut faults need it)"; test -z "$$CI"; }
 
 # The GPU check (tests/gpu/, LMCache's CUDA copy on synthetic KV; no engine): make gpu-wheels here, bring the
 # tree with build/gpu-wheels/ to a GPU host, run make gpu-check there (CPU-only machines: the CUDA rows skip).
@@ -62,6 +65,7 @@ demo: $(STAMP)
 bench: $(STAMP) services
 	$(VENV)/bin/prefixshare bench $(BENCH_ARGS)
 	$(PY) tests/load/fleet.py --full
+	$(PY) tests/lab/links.py --full
 
 # The soak: the fleet's workload at a steady rate for 30 minutes, every process's memory and file descriptors,
 # /dev/shm and the store sampled each minute (docs/benchmarks/soak.json and soak.png).

@@ -26,7 +26,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 AREAS = ("store down", "corruption", "compatibility", "isolation and exposure", "concurrency", "under load",
-         "resource limits", "bad input")
+         "network", "resource limits", "bad input")
 ENGINES = ("vllm", "sglang", "none")
 RUN_ENV = "PREFIXSHARE_FAULT_RUN"
 COMMIT_ENV = "PREFIXSHARE_FAULT_COMMIT"

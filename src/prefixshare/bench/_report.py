@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -155,6 +156,7 @@ def render_markdown(results: dict[str, Any], docs_path: Path) -> str:
     lines += _md_overhead(rows, lengths)
     lines += _md_prewarm(rows, slow)
     lines += _md_corpus(results.get("corpus"))
+    lines += _md_lab(_lab_results(results))
     lines += _md_kv_bytes(results)
     lines += _md_plots(results, docs_path)
     lines += _where_time_goes(results)
@@ -519,6 +521,46 @@ def _md_corpus(c: dict[str, Any] | None) -> list[str]:
         + (f"the store's write rate while prefilling (KV of the call's chunks found in the fs tier over time, as "
            f"warm's progress bar shows it): {store:.3f} GB/s." if store is not None else "no fs tier to watch."),
     ]
+
+
+def _md_lab(lab: dict[str, Any] | None) -> list[str]:
+    """The network lab's link table (docs/benchmarks/lab.json, written by tests/lab/links.py): one request's KV
+    from node A through a store node to node B over shaped links, against the plan's arithmetic."""
+    if not lab or not lab.get("rows"):
+        return []
+    lines = [
+        "",
+        "## Across a real link: the rated link table, measured (network lab)",
+        "",
+        f"Three network namespaces (node A, node B, a store node) behind a bridge; both nodes' links shaped with "
+        f"`tbf` to the class's rate. Node A stores one request's KV ({lab['chunk_tokens']}-token chunks) through "
+        "the `resp` tier's adapter into Redis on the store node; node B, another process with no memory of the "
+        "store, looks it up, loads it and compares every byte. *Rated*: `prefixshare plan`'s time for the same "
+        "bytes on the class's line rate (a lower bound: no row may beat it). Medians of "
+        f"{lab['reps']}; run `{lab.get('run_id')}`, commit `{str(lab.get('commit', ''))[:12]}` "
+        "(`python tests/lab/links.py --full`).",
+        "",
+        "| link | payload | tokens | MB | rated | store A→S | load S→B | load / rated | store / rated | lookup | "
+        "wire / payload |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in lab["rows"]:
+        lines.append(
+            f"| {r['link_gbit']:g} Gbit/s | {r['shape']} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | "
+            f"{r['rated_s']:.3f} s | {r['store_s']:.3f} s | {r['load_s']:.3f} s | {r['load_over_rated']:.2f}× | "
+            f"{r['store_over_rated']:.2f}× | {r['lookup_s'] * 1e3:.1f} ms | {r['wire_over_payload']:.3f}× |")
+    return lines
+
+
+def _lab_results(results: dict[str, Any]) -> dict[str, Any] | None:
+    """The network lab's results beside this run's (``lab.json`` in the results folder), if there are any."""
+    folder = (Path(results["results_path"]).parent if results.get("results_path")
+              else Path(str((results.get("settings") or {}).get("out", ""))))
+    path = folder / "lab.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def _md_kv_bytes(results: dict[str, Any]) -> list[str]:

@@ -1,0 +1,156 @@
+"""The rated link table, measured: one request's KV moved from node A through the store node to node B over
+shaped links, against ``prefixshare plan``'s arithmetic for the same bytes and rate.
+
+Per link class (both nodes' links shaped to the class's rate with ``tbf``) and payload (a model shape's KV
+bytes per token x a prompt length, in the policy's 256-token chunks): node A stores the chunks through the
+``resp`` tier's adapter into Redis on the store node, then node B, another process with no memory of the
+store, looks them up and loads them and compares every byte. A row holds the measured store and load
+times (median of ``reps``), the plan's time for the same bytes on the class's rated link, their ratio, and
+the bytes the kernel counted on B's link (what the wire really carried).
+
+``python tests/lab/links.py [--full]`` writes docs/benchmarks/lab.json (``make bench`` runs ``--full``);
+tests/lab/test_lab.py runs one class as the CI subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from lab.lab import Lab  # noqa: E402
+
+from prefixshare.plan import kv_bytes_per_token, link_from_gbps, shape_from_config  # noqa: E402
+
+CHUNK_TOKENS = 256
+#: a transfer process that outlives its own timeout by this much is killed (and reported as failed)
+KILL_GRACE_S = 10.0
+REDIS_PORT = 6391
+#: link classes (Gbit/s) and the payloads: the bench model at 1k-8k tokens, and a Qwen3-8B-sized KV
+#: (147,456 B/token) at 1k and 4k tokens
+CLASSES_GBIT = (1.0, 2.5, 10.0)
+PAYLOADS = (("bench", 1024), ("bench", 4096), ("bench", 8192), ("qwen3-8b", 1024), ("qwen3-8b", 4096))
+
+
+def _transfer(lab: Lab, node: str, spec: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
+    path = work / f"{spec['role']}-{uuid.uuid4().hex[:8]}.json"
+    path.write_text(json.dumps(spec))
+    bound = timeout_s + KILL_GRACE_S
+    try:
+        proc = lab.in_ns(lab.ns(node), [sys.executable, str(HERE / "transfer.py"), str(path)], check=False,
+                         timeout=bound)
+    except subprocess.TimeoutExpired:
+        # the process did not answer at all: against an unreachable store LMCache's resp client connects while
+        # holding the interpreter (its own watchdog thread cannot run); killed at the bound
+        return {"role": spec["role"], "ok": False, "killed": True,
+                "error": f"no answer within {bound:g} s (killed; phase unknown)"}
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{spec['role']} on {node} failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def payload_bytes(shape: str, tokens: int) -> tuple[int, int]:
+    """(chunk bytes, chunks) of ``tokens`` tokens of ``shape``'s KV (float32 for the bench model as the
+    benchmarks run it, bf16 for Qwen3-8B as GPUs run it)."""
+    dtype = "float32" if shape == "bench" else "bfloat16"
+    per_token = kv_bytes_per_token(shape_from_config(shape), dtype)
+    return per_token * CHUNK_TOKENS, tokens // CHUNK_TOKENS
+
+
+def measure_cell(lab: Lab, work: Path, gbit: float, shape: str, tokens: int, reps: int) -> dict[str, Any]:
+    """One link class x payload: ``reps`` store-then-load rounds, A -> store -> B."""
+    chunk_bytes, chunks = payload_bytes(shape, tokens)
+    total = chunk_bytes * chunks
+    link = link_from_gbps(gbit)
+    rated_s = link.seconds_for(total)
+    tier = {"type": "resp", "host": lab.ip("s"), "port": REDIS_PORT}
+    timeout_s = max(60.0, 20 * rated_s)
+    stores, lookups, loads, wire = [], [], [], []
+    for rep in range(reps):
+        model = f"lab-{uuid.uuid4().hex[:10]}"
+        base = {"tier": tier, "chunks": chunks, "chunk_bytes": chunk_bytes, "seed": rep + 1, "model": model,
+                "timeout_s": timeout_s}
+        stored = _transfer(lab, "a", {**base, "role": "store"}, work, timeout_s)
+        if not stored.get("ok"):
+            raise RuntimeError(f"store failed: {stored}")
+        before = lab.counters("b")
+        loaded = _transfer(lab, "b", {**base, "role": "load", "delete": True}, work, timeout_s)
+        after = lab.counters("b")
+        if not loaded.get("ok"):
+            raise RuntimeError(f"load failed: {loaded}")
+        stores.append(stored["store_s"])
+        lookups.append(loaded["lookup_s"])
+        loads.append(loaded["load_s"])
+        wire.append(after["rx_bytes"] - before["rx_bytes"])
+    store_s, load_s = statistics.median(stores), statistics.median(loads)
+    return {
+        "link_gbit": gbit, "shape": shape, "tokens": tokens, "bytes": total, "chunks": chunks,
+        "rated_s": rated_s, "store_s": store_s, "lookup_s": statistics.median(lookups), "load_s": load_s,
+        "store_over_rated": store_s / rated_s, "load_over_rated": load_s / rated_s,
+        "load_gbps": total / load_s / 1e9, "wire_bytes_b": statistics.median(wire),
+        "wire_over_payload": statistics.median(wire) / total,
+        "values": {"store_s": stores, "lookup_s": lookups, "load_s": loads}, "bytes_equal": True,
+    }
+
+
+def measure(classes: tuple[float, ...], payloads: tuple[tuple[str, int], ...], reps: int, work: Path,
+            log: Any = print) -> dict[str, Any]:
+    """The whole table in one lab (one Redis on the store node; links reshaped per class)."""
+    work.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    with Lab() as lab:
+        lab.start_redis(REDIS_PORT, work)
+        for gbit in classes:
+            for node in ("a", "b"):
+                lab.shape(node, gbit * 1000)
+            for shape, tokens in payloads:
+                row = measure_cell(lab, work, gbit, shape, tokens, reps)
+                log(f"{gbit:g} Gbit/s {shape} {tokens} tok: {row['bytes'] / 1e6:.0f} MB load {row['load_s']:.2f} s "
+                    f"= {row['load_over_rated']:.2f}x rated, store {row['store_over_rated']:.2f}x")
+                rows.append(row)
+    return {"rows": rows, "seconds": round(time.monotonic() - started, 1), "chunk_tokens": CHUNK_TOKENS,
+            "reps": reps, "transport": "resp tier (Redis on the store node), tbf-shaped veth links via a bridge"}
+
+
+def _commit() -> str:
+    proc = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return proc.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--full", action="store_true", help="every link class and payload (make bench)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=HERE.parents[1] / "docs" / "benchmarks" / "lab.json")
+    args = parser.parse_args()
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+    commit = _commit()
+    classes = CLASSES_GBIT if args.full else (2.5,)
+    payloads = PAYLOADS if args.full else (("bench", 4096), ("qwen3-8b", 1024))
+    result = measure(classes, payloads, args.reps, Path("/var/tmp") / f"prefixshare-lab-{run_id}")
+    result.update(run_id=run_id, commit=commit, kind="full" if args.full else "subset")
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"lab {run_id}: {len(result['rows'])} cells in {result['seconds']} s -> {args.out}")
+    bench = args.out.parent / "results.json"
+    if args.full and bench.is_file():  # the bench page carries the lab's table: render it again with this run
+        from prefixshare.bench import render_results
+
+        render_results(bench, args.out.parents[1] / "benchmarks.md")
+        print(f"rendered {args.out.parents[1] / 'benchmarks.md'} with the lab's table")
+
+
+if __name__ == "__main__":
+    main()
