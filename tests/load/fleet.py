@@ -483,7 +483,9 @@ def verify_nodes(fleet: Fleet) -> dict[str, Any]:
         (fleet.work / f"{fleet.tag}-verify-{name}.stderr").write_text(proc.stderr)
         report = json.loads(proc.stdout) if proc.stdout.strip() else {"error": proc.stderr[-2000:]}
         report["exit_code"] = proc.returncode
-        report.pop("checks", None)
+        # what each check that did not pass said (kept; the full checks are in the replica's stats)
+        report["not_ok"] = [{"verdict": c["verdict"], "reason": c.get("reason")}
+                            for c in report.pop("checks", []) if c.get("verdict") != "ok"]
         out[name] = report
     return out
 

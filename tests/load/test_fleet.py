@@ -119,7 +119,18 @@ def test_sampled_verification_under_load_raises_no_false_alarm(loaded: dict[str,
     reports = loaded["verification"]
     checked = sum(r.get("checked", 0) for r in reports.values())
     assert checked > 0, reports  # hits were set aside and replayed
-    assert all(r.get("mismatch") == 0 and r["exit_code"] == 0 for r in reports.values()), reports
+    assert sum(r.get("ok", 0) for r in reports.values()) > 0, reports  # and some replayed to the same answer
+    assert all(r.get("mismatch") == 0 for r in reports.values()), reports  # no false alarm
+    for name, report in reports.items():
+        # A hit can become unverifiable for one reason this run explains: chunks written while the store was
+        # unreadable lived only in node A's L1, which its restart emptied. Anything else (another node, a cold
+        # replay served from a cache, an unreadable task) is a defect; so is a CLI that fails with nothing
+        # unverifiable (exit 1 is verify's "not all checks passed").
+        unexplained = [c for c in report["not_ok"]
+                       if not (name == "a" and c["verdict"] == "unverifiable"
+                               and (c["reason"] or "").startswith("the store no longer holds"))]
+        assert not unexplained, (name, report)
+        assert report["exit_code"] == (1 if report["verdict"] == "unverifiable" else 0), (name, report)
     s = loaded["summary"]
     connector = s["connector"]
     record(Row(

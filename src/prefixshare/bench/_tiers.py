@@ -61,9 +61,13 @@ class TierBenchSettings:
     raw: bool = True
     #: seconds one adapter task may take before the tier's measurement fails
     task_timeout_s: float = 120.0
+    #: KV bytes per token when given (e.g. a user's model, from the plan's arithmetic), else ``shape``'s
+    bytes_per_token: int | None = None
 
     @property
     def chunk_bytes(self) -> int:
+        if self.bytes_per_token is not None:
+            return self.chunk_tokens * self.bytes_per_token
         from prefixshare.model import kv_bytes_per_token
 
         return self.chunk_tokens * kv_bytes_per_token(self.shape)

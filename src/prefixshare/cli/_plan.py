@@ -6,11 +6,13 @@ it costs nothing for the other commands.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
-from prefixshare.cli._common import JSON_OPTION, emit_json, err, handles_errors, out
+from prefixshare.cli._common import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, JSON_OPTION, emit_json, err, fail, \
+    handles_errors, out
 
 if TYPE_CHECKING:
     from prefixshare.plan import Plan
@@ -69,6 +71,15 @@ def plan_command(
     latency_ms: float = typer.Option(0.0, "--latency-ms", help="Fixed cost added to every load, in milliseconds."),
     efficiency: float = typer.Option(1.0, "--efficiency", help="Fraction of the line rate actually achieved (0-1]."),
     list_shapes: bool = typer.Option(False, "--list-shapes", help="List the shipped model shapes and exit."),
+    measure: bool = typer.Option(False, "--measure", help="Measure each L2 tier of --policy from this node (a test "
+                                 "object stored, read back and deleted) and the engine's prefill rate, and put "
+                                 "them beside the rated links."),
+    policy: Path | None = typer.Option(None, "--policy", help="--measure: the policy whose tiers are measured."),
+    model_dir: Path | None = typer.Option(None, "--model", help="--measure: time a short raw prefill of this model "
+                                          "on this node (else the cost model's persisted estimates are used)."),
+    measure_mb: float = typer.Option(256.0, "--measure-mb", min=1.0, help="--measure: size of the test object "
+                                     "per tier, in MB."),
+    reps: int = typer.Option(3, "--reps", min=1, help="--measure: repetitions per tier (medians)."),
     json_output: bool = JSON_OPTION,
 ) -> None:
     from prefixshare.plan import (
@@ -83,6 +94,10 @@ def plan_command(
 
     if list_shapes:
         _print_shapes(json_output)
+        return
+    if measure or policy is not None or model_dir is not None:
+        _measure(model, policy, model_dir, tokens=tokens, link=link, link_gbps=link_gbps, prefill_rate=prefill_rate,
+                 kv_dtype=kv_dtype, measure_mb=measure_mb, reps=reps, json_output=json_output)
         return
     if model is None:
         raise PlanError(
@@ -155,6 +170,125 @@ def _print_plan(result: Plan) -> None:
             "Preset links use the raw line rate (a best case); pass a measured --link 3.2GB/s or --efficiency 0.7."
         )
     for line in [*result.notes, *caveats]:
+        out.print(f"[dim]note: {line}[/]")
+
+
+def _measure(model: str | None, policy_file: Path | None, model_dir: Path | None, *, tokens: list[str] | None,
+             link: list[str] | None, link_gbps: list[float] | None, prefill_rate: float | None, kv_dtype: str,
+             measure_mb: float, reps: int, json_output: bool) -> None:
+    """``plan --measure``: this node's tiers and prefill beside the rated links; exit 1 when a tier could not be
+    measured (it is named with the fix)."""
+    from rich.markup import escape
+
+    from prefixshare.bench._measured import (
+        flat_prefill,
+        measure_tier_links,
+        measured_plan,
+        measured_prefill,
+        persisted_prefill,
+        prefill_lengths,
+    )
+    from prefixshare.cli._warm import runtime_errors, stdout_to_stderr
+    from prefixshare.plan import DEFAULT_LINKS, DEFAULT_PROMPT_LENGTHS, link_from_gbps, parse_link, \
+        parse_prompt_lengths, plan
+    from prefixshare.policies import Policy
+
+    if policy_file is None:
+        raise fail("--measure needs --policy P.yaml: the tiers it measures are that policy's", EXIT_BAD_INPUT)
+    if not policy_file.exists():
+        raise fail(f"--policy {policy_file}: no such file", EXIT_BAD_INPUT)
+    if model_dir is not None and not model_dir.expanduser().is_dir():
+        raise fail(f"--model {model_dir}: no such directory (a model directory with config.json)", EXIT_BAD_INPUT)
+    if model is None and model_dir is None:
+        raise fail("give MODEL_OR_SHAPE (the model whose KV is planned) or --model DIR", EXIT_BAD_INPUT)
+    loaded = Policy.from_yaml(str(policy_file))
+    if not loaded.l2:
+        raise fail(f"{policy_file} has no L2 tier: nothing crosses a link (add one under store.l2)", EXIT_BAD_INPUT)
+    shape = model if model is not None else str(model_dir)
+    lengths = [n for text in tokens for n in parse_prompt_lengths(text)] if tokens else list(DEFAULT_PROMPT_LENGTHS)
+    rated = [parse_link(text) for text in link or ()] + [link_from_gbps(g) for g in link_gbps or ()]
+    rated = rated or [parse_link(name) for name in DEFAULT_LINKS]
+    bytes_per_token = plan(shape, prompt_lengths=[1], links=rated[:1], kv_dtype=kv_dtype).kv_bytes_per_token
+
+    def note(line: str) -> None:
+        err.print(f"[dim]{escape(line)}[/]")
+
+    context: dict[str, Any] = {"policy": str(policy_file), "measure_bytes": int(measure_mb * 1e6), "reps": reps}
+    prefill = None
+    if prefill_rate is not None:
+        prefill = flat_prefill(prefill_rate)
+    elif model_dir is not None:
+        with stdout_to_stderr(json_output), runtime_errors("the measured prefill failed"):
+            prefill, context["prefill_run"] = measured_prefill(str(model_dir.expanduser().resolve()), loaded,
+                                                               lengths=prefill_lengths(lengths), log_line=note)
+        longest = max(context["prefill_run"]["lengths"])
+        if max(lengths) > longest:
+            context.setdefault("caveats", []).append(
+                f"prefill beyond {longest:,} tokens is extrapolated from the fit (the longest prompt timed)")
+    else:
+        found = persisted_prefill()
+        if found is not None:
+            prefill, context["estimates"] = found
+    with stdout_to_stderr(json_output):
+        tiers = measure_tier_links(loaded, bytes_per_token=bytes_per_token, total_bytes=int(measure_mb * 1e6),
+                                   reps=reps, log_line=note)
+    result = measured_plan(shape, lengths=lengths, rated=rated, tiers=tiers, prefill=prefill, kv_dtype=kv_dtype,
+                           chunk_tokens=loaded.chunk_size, context=context)
+    result["notes"].extend(context.get("caveats", []))
+    if prefill is None:
+        result["notes"].append("no prefill rate: no persisted estimates on this node (attach an engine once) and no "
+                               "--model DIR or --prefill-rate given, so there is no verdict")
+    if json_output:
+        emit_json(result)
+    else:
+        _print_measured(result)
+    if any(t.error for t in tiers):
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _print_measured(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from prefixshare.plan import SHARING_WINS, format_bytes, format_seconds
+
+    out.print(f"[bold]{result['shape']}[/]: {result['formula']}")
+    prefill = result["prefill"]
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("tokens", justify="right")
+    table.add_column("KV size", justify="right")
+    if prefill:
+        table.add_column("prefill", justify="right")
+    for col in result["columns"]:
+        table.add_column(col["name"], justify="right")
+    for row in result["rows"]:
+        cells = [f"{row['tokens']:,}", format_bytes(row["kv_bytes"])]
+        if prefill:
+            cells.append(format_seconds(row["prefill_s"]))
+        for cell in row["cells"]:
+            if cell["load_s"] is None:
+                cells.append("[yellow]not measured[/]")
+                continue
+            text = format_seconds(cell["load_s"])
+            if cell["verdict"] is not None:
+                text = f"[green]{text}[/]" if cell["verdict"] == SHARING_WINS else f"[red]{text}[/]"
+            cells.append(text)
+        table.add_row(*cells)
+    out.print(table)
+    if prefill:
+        out.print(f"[dim]prefill: {prefill['source']}[/]")
+    for col in result["columns"]:
+        if col.get("error"):
+            out.print(f"[red]{col['name']}: {col['error']}[/]\n  fix: {col['fix']}")
+            continue
+        rate = f"{col['bytes_per_s'] * 8 / 1e9:.2f} Gbit/s ({col['bytes_per_s'] / 1e9:.2f} GB/s)"
+        latency = f", lookup {col['latency_s'] * 1e3:.1f} ms" if col["kind"] == "measured" else " (rated)"
+        even = col.get("break_even_tokens", "n/a")
+        if prefill:
+            even = (f"sharing wins from {even:,} tokens" if isinstance(even, int) else
+                    "prefill wins at every prompt length (this link moves a token's KV slower than prefill "
+                    "computes it)")
+        out.print(f"  {col['name']}: {rate}{latency}; {even}")
+    for line in result["notes"]:
         out.print(f"[dim]note: {line}[/]")
 
 
