@@ -65,6 +65,7 @@ demo: $(STAMP)
 bench: $(STAMP) services
 	$(VENV)/bin/prefixshare bench $(BENCH_ARGS)
 	$(PY) tests/load/fleet.py --full
+	$(PY) tests/lab/engines.py --full
 	$(PY) tests/lab/links.py --full
 
 # The soak: the fleet's workload at a steady rate for 30 minutes, every process's memory and file descriptors,

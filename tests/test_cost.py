@@ -67,6 +67,33 @@ def test_ewma_follows_a_changed_store() -> None:
     assert fit.predict((1.0, 4.0)) == pytest.approx(2.0, rel=0.05)
 
 
+def test_two_lookups_far_off_their_prediction_move_the_next_decision_one_does_not() -> None:
+    # what the network lab found: near break-even, a link that became ~20x slower took three wrong loads to be
+    # learnt at ALPHA alone
+    def model() -> CostModel:
+        m = _model()
+        _calibrate(m, prefill_a=1.8e-3, prefill_b=0.0, lookup_gbps=0.3, transfer_gbps=5.0)
+        assert m.decide_before_lookup("r0", 1024, 0, 1024).decision == "load"
+        return m
+
+    m = model()
+    slow = 1.25 * m.prefill_s(0, 1024)  # loads now take 1.25x the recompute
+    m.observe_lookup(1024, slow)
+    assert m.decide_before_lookup("r1", 1024, 0, 1024).decision == "load"  # one could be a hiccup
+    m.observe_lookup(1024, slow)
+    assert m.decide_before_lookup("r2", 1024, 0, 1024).decision == "recompute"  # two in a row are a change
+    # a hiccup (one lookup 10x its prediction) followed by a normal one leaves the store trusted
+    h = model()
+    normal = h.lookup_s(1024)
+    h.observe_lookup(1024, 10 * normal)
+    h.observe_lookup(1024, normal)
+    assert h.decide_before_lookup("r3", 1024, 0, 1024).decision == "load"
+    # and the way back: a store fast again is trusted after two fast lookups
+    m.observe_lookup(1024, normal)
+    m.observe_lookup(1024, normal)
+    assert m.lookup_s(1024) < 0.5 * m.prefill_s(0, 1024)
+
+
 def test_the_first_prefill_of_a_process_is_not_an_observation() -> None:
     m = _model()
     assert not m.observe_prefill([(0, 1024)], 99.0)  # first-use costs
@@ -206,6 +233,29 @@ def test_a_timed_out_lookup_is_learnt_and_the_next_long_prompt_recomputes() -> N
     assert d.decision == "recompute" and d.predicted_load_s > d.predicted_recompute_s
     # without a prefill rate, the time waited is all that is known
     assert _model().observe_timeout(4096, 0.5) == 0.5
+
+
+def test_timeouts_of_an_outage_are_forgotten_when_it_ends_not_those_of_a_slow_store() -> None:
+    # what the network lab found: after a partition healed, every prompt that long kept recomputing until the
+    # probe streak and PROBE_AFTER_S had passed
+    m = _model()
+    _calibrate(m, prefill_a=1.8e-3, prefill_b=0.0, lookup_gbps=0.3, transfer_gbps=5.0)
+    calibrated = m.lookup_s(1024)
+    m.observe_timeout(1024, 5.0)
+    m.observe_timeout(1024, 5.0)
+    assert m.decide_before_lookup("r1", 1024, 0, 1024).decision == "recompute"
+    m.outage_over()  # the runtime: the store did not answer a probe, and answers again
+    assert m.lookup_s(1024) == pytest.approx(calibrated)
+    d = m.decide_before_lookup("r2", 1024, 0, 1024)
+    assert d.decision == "load" and "outlived" not in d.reason, d
+    # a slow store (measured since its timeout): the measurement stands, nothing to restore
+    slow = _model()
+    _calibrate(slow, prefill_a=1.8e-3, prefill_b=0.0, lookup_gbps=0.3, transfer_gbps=5.0)
+    slow.observe_timeout(1024, 5.0)
+    slow.observe_lookup(1024, 4.0)
+    before = slow.lookup_s(1024)
+    slow.outage_over()
+    assert slow.lookup_s(1024) == pytest.approx(before)
 
 
 def test_a_timed_out_length_is_recomputed_whatever_the_fits_say_until_a_hit_that_long_comes_back() -> None:

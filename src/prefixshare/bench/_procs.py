@@ -65,12 +65,13 @@ def run_replica(workdir: Path, name: str, spec: dict[str, Any], *, timeout_s: fl
     return result
 
 
-def _replica_argv(workdir: Path, name: str, spec: dict[str, Any]) -> list[str]:
-    """Write ``spec`` to ``workdir/name.json``; the command that runs a replica on it."""
+def _replica_argv(workdir: Path, name: str, spec: dict[str, Any], command: list[str] | None = None) -> list[str]:
+    """Write ``spec`` to ``workdir/name.json``; the command that runs a replica on it (``command`` + the spec's
+    path; default: this interpreter running :mod:`prefixshare.bench._replica`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(spec))
-    return [sys.executable, "-m", "prefixshare.bench._replica", str(path)]
+    return [*(command or [sys.executable, "-m", "prefixshare.bench._replica"]), str(path)]
 
 
 class ReplicaSession:
@@ -80,12 +81,14 @@ class ReplicaSession:
     Use as a context manager: ``with ReplicaSession(workdir, name, spec) as r: r.run([...])``; leaving it ends
     the replica and sets :attr:`result` (its final result, with ``events`` and ``wall_s``, as
     :func:`run_replica`). Every wait is bounded by ``timeout_s``; a replica that exits or goes silent is killed
-    and raises :class:`ReplicaError` with the tail of its stderr."""
+    and raises :class:`ReplicaError` with the tail of its stderr. ``command`` runs the replica some other way
+    (e.g. inside a network namespace, beside its node's server): it is given the spec's path and must speak the
+    same protocol."""
 
     def __init__(self, workdir: Path, name: str, spec: dict[str, Any], *, timeout_s: float = 1800,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
         self.name, self.timeout_s = name, timeout_s
-        argv = _replica_argv(workdir, name, {**spec, "interactive": True})
+        argv = _replica_argv(workdir, name, {**spec, "interactive": True}, command)
         self.stderr_path = workdir / f"{name}.stderr"
         self._stderr = open(self.stderr_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,

@@ -177,6 +177,8 @@ class _Steps:
                 stats = _settled_stats(self.read_stats, self.requests)
                 out["stats"] = {k: stats.get(k) for k in ("tokens_loaded", "hits", "lookups", "fallbacks",
                                                           "tokens_stored", "requests")}
+                # the cost model's decisions so far, by phase:choice (a lookup abandoned at its deadline shows here)
+                out["stats"]["cost_decisions"] = (stats.get("cost") or {}).get("decisions")
                 lookup_ms = stats.get("lookup_ms") or {}
                 out["stats"]["lookup_ms_last"] = lookup_ms.get("last") if isinstance(lookup_ms, dict) else None
         elif step["op"] == "warm":

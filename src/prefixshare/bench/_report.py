@@ -157,6 +157,7 @@ def render_markdown(results: dict[str, Any], docs_path: Path) -> str:
     lines += _md_prewarm(rows, slow)
     lines += _md_corpus(results.get("corpus"))
     lines += _md_lab(_lab_results(results))
+    lines += _md_lab_choice(_lab_results(results, "lab-choice.json"), _results_folder(results))
     lines += _md_kv_bytes(results)
     lines += _md_plots(results, docs_path)
     lines += _where_time_goes(results)
@@ -552,11 +553,101 @@ def _md_lab(lab: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _lab_results(results: dict[str, Any]) -> dict[str, Any] | None:
-    """The network lab's results beside this run's (``lab.json`` in the results folder), if there are any."""
-    folder = (Path(results["results_path"]).parent if results.get("results_path")
-              else Path(str((results.get("settings") or {}).get("out", ""))))
-    path = folder / "lab.json"
+def _md_lab_choice(choice: dict[str, Any] | None, out: Path | None) -> list[str]:
+    """The network lab's load-or-recompute sweep (docs/benchmarks/lab-choice.json, written by
+    tests/lab/engines.py), with its plot drawn beside it."""
+    if not choice or not choice.get("sweeps"):
+        return []
+    plot = _plot_lab_choice(choice, out) if out is not None else None
+    lines = [
+        "",
+        "## Across a real link: load or recompute (network lab, engines)",
+        "",
+        "vLLM replicas on node A and node B, each beside its own MP server, the `resp` tier (Redis) on the store "
+        "node. Node A computes each document cold (the reference every answer is compared with); node B first "
+        "measures its own forced load over the unshaped link (L0) and forced recompute (R), then per point its link "
+        "is shaped (`tbf`) to the rate at which the plan's arithmetic puts a load at *f* x R (rate = KV bytes / "
+        "(f x R - L0)), and per run the same document is forced to load, forced to recompute and left to "
+        "`load.mode: auto`, interleaved (B's prefix cache and server L1 emptied before each). *Plan*: L0 + KV bytes "
+        "/ rate, the prediction the rate was chosen by. *GPU link*: the link that puts "
+        f"{choice.get('gpu_assumption', 'a GPU')} at the same ratio of link bytes/s to the KV bytes/s prefill "
+        "produces — the GPU + link pairing the point stands for. Medians; every answer equal to the cold one "
+        f"unless marked. Run `{choice.get('run_id')}`, commit `{str(choice.get('commit', ''))[:12]}` "
+        "(`python tests/lab/engines.py --full`).",
+        "",
+        "| tokens | f | link | GPU link | plan load | load | recompute | auto | auto chose | regret | answers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for sw in choice["sweeps"]:
+        for p in sw["points"]:
+            if "skipped" in p:
+                lines.append(f"| {sw['tokens']} | {p['factor']:g} | skipped: {p['skipped']} |||||||||")
+                continue
+            lines.append(
+                f"| {sw['tokens']} | {p['factor']:g} | {p['rate_mbit']:.0f} Mbit/s | "
+                f"{p['gpu_equivalent_link_gbit']:.1f} Gbit/s | {p['predicted_load_s']:.2f} s | {p['load_s']:.2f} s | "
+                f"{p['recompute_s']:.2f} s | {p['auto_s']:.2f} s | {'/'.join(p['auto_choices'])} "
+                f"(better: {p['better']}) | {p['regret']:.3f} | "
+                f"{'equal' if p['all_same_as_cold'] else '**DIFFER**'} |")
+    points = [p for sw in choice["sweeps"] for p in sw["points"] if "regret" in p]
+    away = [p["regret"] for p in points if not 0.7 <= p["achieved_load_over_recompute"] <= 1.3]
+    if points:
+        worst = max(p["regret"] for p in points)
+        lines += ["", f"Worst regret {worst:.3f} (goal ≤ 1.1 everywhere: {'met' if worst <= 1.1 else '**MISS**'})"
+                  + (f"; away from break-even (measured load/recompute outside 0.7–1.3) {max(away):.3f} (goal ≤ "
+                     f"1.05: {'met' if max(away) <= 1.05 else '**MISS**'})." if away else ".")]
+    if plot:
+        lines += ["", f"![lab sweep](benchmarks/{Path(plot).name})"]
+    return lines
+
+
+def _plot_lab_choice(choice: dict[str, Any], out: Path) -> str | None:
+    """lab-choice.png: TTFT of forced load, forced recompute and auto against the link rate, the plan's predicted
+    load drawn in, and auto's regret."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for sw in choice["sweeps"]:
+        pts = sorted((p for p in sw["points"] if "regret" in p), key=lambda p: p["rate_mbit"])
+        if not pts:
+            continue
+        xs = [p["rate_mbit"] for p in pts]
+        n = sw["tokens"]
+        for key, style, what in (("load_s", "s-", "forced load"), ("recompute_s", "o-", "forced recompute"),
+                                 ("auto_s", "D--", "auto"), ("predicted_load_s", "k:", "plan: load")):
+            ax1.plot(xs, [p[key] for p in pts], style, label=f"{n} tok: {what}")
+        ax2.plot(xs, [p["regret"] for p in pts], "D-", label=f"{n} tok")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xlabel("node B's link (Mbit/s, tbf)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("TTFT (s), median")
+    ax1.legend(fontsize=7)
+    ax2.axhline(GOAL_REGRET, color="k", lw=1, ls="--", label="goal")
+    ax2.set_ylabel("regret: auto / the better forced option")
+    ax2.legend(fontsize=7)
+    fig.suptitle("Load or recompute across a shaped link (network lab, vLLM CPU replicas)", fontsize=10)
+    fig.tight_layout()
+    path = out / "lab-choice.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def _results_folder(results: dict[str, Any]) -> Path:
+    return (Path(results["results_path"]).parent if results.get("results_path")
+            else Path(str((results.get("settings") or {}).get("out", ""))))
+
+
+def _lab_results(results: dict[str, Any], name: str = "lab.json") -> dict[str, Any] | None:
+    """The network lab's results beside this run's (``name`` in the results folder), if there are any."""
+    path = _results_folder(results) / name
     try:
         return json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):

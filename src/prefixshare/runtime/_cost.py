@@ -56,6 +56,15 @@ from prefixshare._paths import run_dir
 
 #: weight of the newest observation in every running estimate (EWMA factor)
 ALPHA = 0.3
+#: two lookups in a row that each took more than SHIFT_RATIO times (or less than 1/SHIFT_RATIO of) their
+#: prediction, and more than SHIFT_MIN_S away from it, say the store or its link changed (a congested or reshaped
+#: link, a store moved to another medium): the second is learnt with weight ALPHA_SHIFT instead of ALPHA, so the
+#: next decision already follows the change (with ALPHA alone: three wrong loads in a row near break-even on a link
+#: that became 20x slower, measured in tests/lab). One such lookup alone is learnt at ALPHA: a hiccup must not
+#: send a healthy store into a recompute streak.
+SHIFT_RATIO = 2.0
+SHIFT_MIN_S = 0.05
+ALPHA_SHIFT = 0.8
 #: a model that chose to recompute this many times in a row, and has not measured the store for PROBE_AFTER_S,
 #: looks the store up once anyway (a probe: a store that became fast is noticed; its cost is amortized)
 PROBE_EVERY = 16
@@ -118,10 +127,11 @@ class Fit:
         self.n = 0
         self.w: list[float] | None = None
 
-    def observe(self, x: tuple[float, ...] | list[float], y: float) -> None:
+    def observe(self, x: tuple[float, ...] | list[float], y: float, *, alpha: float | None = None) -> None:
+        """One observation, weighted ``alpha`` (default: the fit's own) against everything before it."""
         if not (math.isfinite(y) and y >= 0) or any(not math.isfinite(v) for v in x):
             return
-        keep = 1.0 - self.alpha if self.n else 0.0
+        keep = 1.0 - (self.alpha if alpha is None else alpha) if self.n else 0.0
         x0, x1 = x
         xy, (r0, r1) = self.xy, self.xx
         xy[0] = keep * xy[0] + x0 * y
@@ -254,6 +264,10 @@ class CostModel:
         #: (tokens, seconds waited) of the shortest lookup that outlived load.timeout_s (see observe_timeout)
         self._timed_out: tuple[int, float] | None = None
         self._first_prefill_seen = False
+        #: +1 / -1 when the last lookup took far more / far less than predicted (see SHIFT_RATIO), else 0
+        self._off = 0
+        #: the lookup estimate before the first of a run of timed-out lookups (see outage_over)
+        self._before_timeouts: dict[str, Any] | None = None
         #: when this store was last measured (a lookup observed); a model loaded from the run dir counts as
         #: measured now
         self._store_seen = time.monotonic()
@@ -349,9 +363,22 @@ class CostModel:
         timed_out = self._timed_out
         if not censored and timed_out is not None and hit_tokens >= timed_out[0]:
             self._timed_out = None  # a hit that long came back in time: the store is not (or no longer) that slow
+        if not censored and hit_tokens:
+            self._before_timeouts = None  # measured since: what came before the timeouts is no longer the state
+        x = (1.0, hit_tokens * self.kv_bytes_per_token / _MB)
         with self._lock:
-            self.lookup.observe((1.0, hit_tokens * self.kv_bytes_per_token / _MB), seconds)
+            predicted = self.lookup.predict(x) if hit_tokens and not self._no_bytes(self.lookup) else None
+            off = 0
+            if predicted is not None and abs(seconds - predicted) > SHIFT_MIN_S:
+                off = 1 if seconds > SHIFT_RATIO * predicted else -1 if seconds * SHIFT_RATIO < predicted else 0
+            shifted = off != 0 and off == self._off
+            self._off = off
+            self.lookup.observe(x, seconds, alpha=ALPHA_SHIFT if shifted else None)
             self._dirty = True
+        if shifted:
+            self.log.info("cost.store_shift", tokens=hit_tokens, seconds=round(seconds, 4),
+                          predicted_s=round(predicted or 0.0, 4), censored=censored,
+                          direction="slower" if off > 0 else "faster")
         self._changed()
 
     def observe_transfer(self, tokens: int, seconds: float) -> None:
@@ -534,6 +561,9 @@ class CostModel:
         out when the store got faster. Returns the value learnt."""
         recompute = self.prefill_s(local_tokens, lookup_tokens)
         learnt = max(waited_s, DEADLINE_FACTOR * recompute) if recompute is not None else waited_s
+        with self._lock:
+            if self._before_timeouts is None:
+                self._before_timeouts = json.loads(json.dumps(self.lookup.to_dict()))  # a copy: observe() mutates
         self.observe_lookup(lookup_tokens, learnt, censored=True)
         timed_out = self._timed_out
         if timed_out is None or lookup_tokens <= timed_out[0]:
@@ -543,6 +573,22 @@ class CostModel:
         self.log.info("cost.lookup_timeout_observed", lookup_tokens=lookup_tokens, waited_s=round(waited_s, 4),
                       learnt_s=round(learnt, 4))
         return learnt
+
+    def outage_over(self) -> None:
+        """The store was down (its server or a tier did not answer a probe) and answers again: the lookups that
+        timed out in that window said the store was unreachable, not slow. Forget them: the lookup estimate as it
+        was before the first of them, and the timed-out length, so the next request looks the store up again
+        (hits resume at once after a partition heals, not after the probe's streak and ``PROBE_AFTER_S``)."""
+        with self._lock:
+            before, self._before_timeouts = self._before_timeouts, None
+            timed_out, self._timed_out = self._timed_out, None
+            self._off = 0
+            if before is not None:
+                self.lookup = Fit(2, ridge=self.lookup.ridge)
+                self.lookup.load(before)
+            self._dirty = True
+        self.log.info("cost.outage_forgotten", timed_out=timed_out, restored=before is not None)
+        self._changed()
 
     def _probe_due(self) -> bool:
         return self._recompute_streak + 1 >= PROBE_EVERY and time.monotonic() - self._store_seen >= PROBE_AFTER_S

@@ -159,6 +159,9 @@ class ConnectorRuntime(StatsPublisher):
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._next_probe = 0.0
+        #: a probe thread is running; the store being down is an outage (a probe found it not answering)
+        self._probing = False
+        self._outage = False
         if role == "scheduler":
             self._check_store()
         self._start_publishing()
@@ -189,18 +192,32 @@ class ConnectorRuntime(StatsPublisher):
     def store_available(self) -> bool:
         """False while the store is known to be down: requests then skip it entirely (no lookup, no store)
         instead of each waiting out the timeout. The server's health endpoint and every tier are probed
-        at most once a second, and sharing resumes as soon as they answer."""
+        at most once a second, in a thread of their own (a probe of a partitioned tier waits out its timeout;
+        the engine step must not), and sharing resumes as soon as they answer."""
         if self._down_since is None:
             return True
         now = time.monotonic()
-        if now < self._next_probe:
+        if now < self._next_probe or self._probing:
             return False
         self._next_probe = now + self.PROBE_INTERVAL_S
-        healthy = self.probe() is None
-        if healthy:
-            self.log.warning("store.recovered", down_s=round(now - self._down_since, 2))
-            self._down_since = None
-        return healthy
+        self._probing = True
+        threading.Thread(target=self._probe_down, name="prefixshare-probe", daemon=True).start()
+        return False
+
+    def _probe_down(self) -> None:
+        try:
+            if self.probe() is not None:
+                return
+            down_since, outage = self._down_since, self._outage
+            if down_since is None:
+                return
+            self._down_since, self._outage = None, False
+            self.log.warning("store.recovered", down_s=round(time.monotonic() - down_since, 2))
+            if outage and self.cost is not None:
+                # the timeouts of the window were the outage, not a slow store: not a reason to keep recomputing
+                self.cost.outage_over()
+        finally:
+            self._probing = False
 
     def probe(self) -> str | None:
         """None when the server and every L2 tier answer, else why not (cheap; no retries)."""
@@ -221,8 +238,20 @@ class ConnectorRuntime(StatsPublisher):
         if self._down_since is None:
             self._down_since = time.monotonic()
             self._next_probe = self._down_since + self.PROBE_INTERVAL_S
-            self.log.warning("store.down", reason=reason, probe=self.probe(),
+            self._probing = True
+            threading.Thread(target=self._probe_marked, args=(reason,), name="prefixshare-probe",
+                             daemon=True).start()
+
+    def _probe_marked(self, reason: str) -> None:
+        """Why the store was just marked down, probed off the request path: when the server or a tier does not
+        answer, the window is an outage (see :meth:`CostModel.outage_over`); when both answer, a slow store."""
+        try:
+            found = self.probe()
+            self._outage = found is not None
+            self.log.warning("store.down", reason=reason, probe=found, outage=self._outage,
                              action="skip the store until the server and its tiers answer again")
+        finally:
+            self._probing = False
 
     # --- per request -----------------------------------------------------------------------------------
     def begin(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...], params: dict[str, Any] | None,
