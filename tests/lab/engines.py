@@ -202,6 +202,8 @@ class EngineLab:
         self.seed(seeds, tokens)
         kv_bytes = tokens * kv_bytes_per_token
         self.lab.shape("b", None)
+        # the first prompt of a new length in a process pays one-off costs: not a calibration sample
+        self.b(seeds[0], f"{tokens}:warm", load="never", clear_l1=False)
         calibration = [self.triple(s, f"{tokens}:cal:{i}", auto=False) for i, s in enumerate(seeds)]
         l0 = statistics.median(c["load"]["seconds"] for c in calibration)
         r = statistics.median(c["recompute"]["seconds"] for c in calibration)
