@@ -538,3 +538,47 @@ def test_a_byte_budget_counts_each_tenants_copy_of_a_document(tmp_path: Path) ->
     salted = rt.begin("salted", doc, None, request_salt="own-salt")
     assert not salted.admitted and "already counted" not in salted.reason
     rt.close()
+
+
+def test_health_gate_resumes_on_the_first_request_and_never_blocks_on_a_hung_probe(
+    tmp_path: Path, policy: Policy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store marked down: the first request after the probe interval probes in a thread; a store that answers
+    serves that very request (a restarted server resumes at once), one whose probe hangs (a partitioned tier)
+    costs the request at most PROBE_WAIT_S and recovers when the probe finally answers."""
+    import threading
+    import time
+
+    rt = _scheduler(tmp_path, policy, "gate")
+    monkeypatch.setattr(rt, "PROBE_INTERVAL_S", 0.05)
+    answer: list[str | None] = ["partitioned"]
+    release = threading.Event()
+    monkeypatch.setattr(rt, "probe", lambda: answer[0])
+    rt.mark_down("lookup_timeout")
+    deadline = time.monotonic() + 2.0
+    while rt._probing and time.monotonic() < deadline:  # the probe that explains the mark
+        time.sleep(0.01)
+    assert rt._outage and not rt.store_available()  # down, and within the probe interval: skipped at once
+    time.sleep(0.06)
+    answer[0] = None
+    assert rt.store_available()  # the probe answered within PROBE_WAIT_S: this request uses the store again
+
+    def hung() -> str | None:
+        release.wait(5.0)
+        return None
+
+    rt.mark_down("lookup_timeout")
+    while rt._probing and time.monotonic() < deadline + 2.0:
+        time.sleep(0.01)
+    monkeypatch.setattr(rt, "probe", hung)
+    time.sleep(0.06)
+    started = time.monotonic()
+    assert not rt.store_available()
+    waited = time.monotonic() - started
+    assert rt.PROBE_WAIT_S <= waited < rt.PROBE_WAIT_S + 0.5, waited  # bounded, not the probe's 5 s
+    release.set()
+    deadline = time.monotonic() + 2.0
+    while not rt.store_available() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rt.store_available()  # the hung probe answered in the end: recovered without another request's wait
+    rt.close()

@@ -85,7 +85,7 @@ def flat_prefill(tokens_per_s: float) -> PrefillCost:
 def persisted_prefill(directory: Path | None = None) -> tuple[PrefillCost, dict[str, Any]] | None:
     """The newest persisted cost model with prefill observations (any namespace), with its transfer estimate."""
     from prefixshare._paths import run_dir
-    from prefixshare.runtime._cost import Fit
+    from prefixshare.runtime import Fit
 
     directory = directory or run_dir() / "cost"
     best: tuple[float, Path, dict[str, Any]] | None = None
@@ -129,7 +129,7 @@ def measured_prefill(model: str, policy: Any, *, lengths: tuple[int, ...] = PREF
     prompt is not timed (first-call compilation)."""
     import random
 
-    from prefixshare.runtime._cost import Fit
+    from prefixshare.runtime import Fit
     from prefixshare.warm import apply_engine_env, vllm_engine_kwargs
 
     apply_engine_env(engine="vllm")

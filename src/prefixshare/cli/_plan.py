@@ -82,6 +82,21 @@ def plan_command(
     reps: int = typer.Option(3, "--reps", min=1, help="--measure: repetitions per tier (medians)."),
     json_output: bool = JSON_OPTION,
 ) -> None:
+    if list_shapes:
+        _print_shapes(json_output)
+        return
+    if measure or policy is not None or model_dir is not None:
+        _measure(model, policy, model_dir, tokens=tokens, link=link, link_gbps=link_gbps, prefill_rate=prefill_rate,
+                 kv_dtype=kv_dtype, measure_mb=measure_mb, reps=reps, json_output=json_output)
+        return
+    _rated(model, tokens=tokens, link=link, link_gbps=link_gbps, prefill_rate=prefill_rate, kv_dtype=kv_dtype,
+           concurrency=concurrency, latency_ms=latency_ms, efficiency=efficiency, json_output=json_output)
+
+
+def _rated(model: str | None, *, tokens: list[str] | None, link: list[str] | None, link_gbps: list[float] | None,
+           prefill_rate: float | None, kv_dtype: str, concurrency: int, latency_ms: float, efficiency: float,
+           json_output: bool) -> None:
+    """``plan`` on rated (or given) links: arithmetic only, nothing measured."""
     from prefixshare.plan import (
         DEFAULT_LINKS,
         DEFAULT_PROMPT_LENGTHS,
@@ -92,18 +107,10 @@ def plan_command(
         plan,
     )
 
-    if list_shapes:
-        _print_shapes(json_output)
-        return
-    if measure or policy is not None or model_dir is not None:
-        _measure(model, policy, model_dir, tokens=tokens, link=link, link_gbps=link_gbps, prefill_rate=prefill_rate,
-                 kv_dtype=kv_dtype, measure_mb=measure_mb, reps=reps, json_output=json_output)
-        return
     if model is None:
         raise PlanError(
             "missing MODEL_OR_SHAPE: give a model directory, a config.json or a shipped shape (--list-shapes)"
         )
-
     lengths = [n for text in tokens for n in parse_prompt_lengths(text)] if tokens else list(DEFAULT_PROMPT_LENGTHS)
     links = [parse_link(text) for text in link or ()] + [link_from_gbps(g) for g in link_gbps or ()]
     result = plan(
@@ -180,7 +187,7 @@ def _measure(model: str | None, policy_file: Path | None, model_dir: Path | None
     measured (it is named with the fix)."""
     from rich.markup import escape
 
-    from prefixshare.bench._measured import (
+    from prefixshare.bench import (
         flat_prefill,
         measure_tier_links,
         measured_plan,

@@ -12,7 +12,7 @@
 Engine adapters (:mod:`prefixshare.adapters`) build on this package; it knows no engine.
 """
 
-from prefixshare.runtime._cost import CostModel, LoadDecision, info_enabled, store_key
+from prefixshare.runtime._cost import CostModel, Fit, LoadDecision, info_enabled, store_key
 from prefixshare.runtime._reach import PortCheck, port_open
 from prefixshare.runtime._runtime import ConnectorRuntime, RequestInfo, load_policy
 from prefixshare.runtime._stats import READ_SETTLE_S, VERDICTS, Stats, add_verdicts, read_stats
@@ -33,6 +33,7 @@ __all__ = [
     "VERDICTS",
     "ConnectorRuntime",
     "CostModel",
+    "Fit",
     "HitSampler",
     "LoadDecision",
     "PortCheck",

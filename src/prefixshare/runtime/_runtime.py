@@ -188,12 +188,17 @@ class ConnectorRuntime(StatsPublisher):
 
     # --- health gate -----------------------------------------------------------------------------------
     PROBE_INTERVAL_S = 1.0
+    #: how long the request that starts a probe waits for its answer: a healthy server and its tiers answer in a
+    #: few milliseconds, so that request already uses the store again; a partitioned tier's probe waits out its
+    #: own timeout in its thread while the engine step goes on without the store
+    PROBE_WAIT_S = 0.15
 
     def store_available(self) -> bool:
         """False while the store is known to be down: requests then skip it entirely (no lookup, no store)
         instead of each waiting out the timeout. The server's health endpoint and every tier are probed
-        at most once a second, in a thread of their own (a probe of a partitioned tier waits out its timeout;
-        the engine step must not), and sharing resumes as soon as they answer."""
+        at most once a second, in a thread of their own, and sharing resumes as soon as they answer: the
+        request that starts a probe waits for it up to ``PROBE_WAIT_S`` (a partitioned tier's probe waits out
+        its timeout; the engine step must not)."""
         if self._down_since is None:
             return True
         now = time.monotonic()
@@ -201,10 +206,12 @@ class ConnectorRuntime(StatsPublisher):
             return False
         self._next_probe = now + self.PROBE_INTERVAL_S
         self._probing = True
-        threading.Thread(target=self._probe_down, name="prefixshare-probe", daemon=True).start()
-        return False
+        done = threading.Event()
+        threading.Thread(target=self._probe_down, args=(done,), name="prefixshare-probe", daemon=True).start()
+        done.wait(self.PROBE_WAIT_S)
+        return self._down_since is None
 
-    def _probe_down(self) -> None:
+    def _probe_down(self, done: threading.Event) -> None:
         try:
             if self.probe() is not None:
                 return
@@ -218,6 +225,7 @@ class ConnectorRuntime(StatsPublisher):
                 self.cost.outage_over()
         finally:
             self._probing = False
+            done.set()
 
     def probe(self) -> str | None:
         """None when the server and every L2 tier answer, else why not (cheap; no retries)."""
