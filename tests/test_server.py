@@ -4,6 +4,7 @@ trip from separate processes, a second server on the same fs directory, reuse, f
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +64,8 @@ def test_round_trip_through_the_server_from_fresh_processes(server_a: LMCacheSer
     assert fetched.returncode == 0, fetched.stdout + fetched.stderr[-2000:]
     assert "bytes_equal = True" in fetched.stdout and hits(fetched.stdout) == (4, 4)
     # the copies went through the server's shared memory (server.shm_name: auto), not pickled over the socket
+    # (a /dev/shm without room for L1 turns shared memory off with a warning: then this says how full it was)
+    assert server_a.policy.server.shm_segment is not None, f"/dev/shm: {shutil.disk_usage('/dev/shm')}"
     assert "Using shm non-GPU transfer strategy" in server_a.log_path.read_text(errors="replace")
     # negative controls: another model name and another salt are other namespaces
     assert hits(run_mp_client("lookup", server_a.url, model="other/model").stdout) == (0, 4)

@@ -113,6 +113,14 @@ class EngineLab:
                     session.proc.kill()
         self.sessions.clear()
         self.lab.down()
+        # a node server killed with its namespace cannot remove its shared-memory L1 pool: up to l1.size_gb of
+        # /dev/shm each, which later servers on this machine would find missing (they then copy through the socket)
+        from prefixshare.server import shm_path
+
+        for port, _ in PORTS.values():
+            path = shm_path(f"prefixshare-{port}")
+            if path is not None:
+                path.unlink(missing_ok=True)
 
     def _session(self, node: str) -> ReplicaSession:
         spec = {"model": str(self.model), "policy": policy(self.lab, node, timeout_s=self.timeout_s),
