@@ -48,14 +48,31 @@ from prefixshare.keys import REQ_LOAD, REQ_STORE  # noqa: E402
 CHUNK_TOKENS = 256
 BLOCK_SIZE = 128
 REDIS_PORT = 6393
-#: node -> (server port, http port): distinct per node (the servers' shared-memory segments are named by port)
-PORTS = {"a": (17001, 17002), "b": (18001, 18002)}
+#: session -> (server port, http port): distinct per session (the servers' shared-memory segments are named by
+#: port); "b-delay" is a second replica on node B that reaches Redis through the delay relay
+PORTS = {"a": (17001, 17002), "b": (18001, 18002), "b-delay": (18101, 18102)}
+#: the delay relay (tests/lab/delay.py) on the store node, in front of Redis: DELAY_MS each way
+RELAY_PORT = 6394
+DELAY_MS = 100
 #: the GPU a point stands for: Qwen3-8B's KV bytes per token, prefilled at this many tokens/s
 GPU_KV_BYTES_PER_TOKEN = 147_456
 GPU_PREFILL_TOKENS_PER_S = 10_000
 #: a logprob loaded through the store may differ from the cold one by float32 rounding at most
 LOGPROB_TOL = 1e-3
 SESSION_TIMEOUT_S = 900.0
+#: a Redis PING's round trip, run inside a node: python -c _PING HOST PORT
+_PING = """
+import socket, sys, time
+best = 9e9
+for _ in range(3):
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), 5)
+    t = time.monotonic()
+    s.sendall(b"PING\\r\\n")
+    s.recv(16)
+    best = min(best, time.monotonic() - t)
+    s.close()
+print(best)
+"""
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -63,15 +80,16 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 3000) for _ in range(n)]
 
 
-def policy(lab: Lab, node: str, *, timeout_s: float, mode: str = "auto") -> dict[str, Any]:
+def policy(lab: Lab, session: str, *, timeout_s: float, mode: str = "auto",
+           store_port: int = REDIS_PORT) -> dict[str, Any]:
     from prefixshare.policies import Policy
 
-    port, http = PORTS[node]
+    port, http = PORTS[session]
     return Policy.build(
         chunk_size=CHUNK_TOKENS, l1={"size_gb": 1.0},
         server={"port": port, "http_port": http, "start_timeout_s": 180},
         load={"timeout_s": timeout_s, "mode": mode},
-        l2=[{"type": "resp", "host": lab.ip("s"), "port": REDIS_PORT}],
+        l2=[{"type": "resp", "host": lab.ip("s"), "port": store_port}],
     ).to_dict()
 
 
@@ -86,7 +104,8 @@ class EngineLab:
         #: document seed -> A's cold answer (token ids, logprobs, seconds)
         self.cold: dict[int, dict[str, Any]] = {}
         self.docs: dict[int, list[int]] = {}
-        self._b_stats: dict[str, Any] = {}
+        #: session -> its connector counters after its last request (they are cumulative)
+        self._stats: dict[str, dict[str, Any]] = {}
 
     # --- set-up ----------------------------------------------------------------------------------------------
     def __enter__(self) -> EngineLab:
@@ -122,23 +141,39 @@ class EngineLab:
             if path is not None:
                 path.unlink(missing_ok=True)
 
-    def _session(self, node: str) -> ReplicaSession:
-        spec = {"model": str(self.model), "policy": policy(self.lab, node, timeout_s=self.timeout_s),
-                "instance": f"lab-{node}-{uuid.uuid4().hex[:6]}", "steps": [], "log_level": "INFO",
-                "server_log": str(self.work / f"server-{node}.log"),
+    def _session(self, node: str, name: str | None = None, store_port: int = REDIS_PORT) -> ReplicaSession:
+        name = name or node
+        spec = {"model": str(self.model),
+                "policy": policy(self.lab, name, timeout_s=self.timeout_s, store_port=store_port),
+                "instance": f"lab-{name}-{uuid.uuid4().hex[:6]}", "steps": [], "log_level": "INFO",
+                "server_log": str(self.work / f"server-{name}.log"),
                 "engine": {"max_model_len": self.max_tokens + 256, "block_size": BLOCK_SIZE}}
-        env = {"PREFIXSHARE_CACHE_DIR": str(self.work / f"cache-{node}"), "VLLM_CPU_KVCACHE_SPACE": "2"}
-        self.log(f"node {node}: starting its server and replica")
-        session = ReplicaSession(self.work, f"replica-{node}", spec, timeout_s=SESSION_TIMEOUT_S, env=env,
+        env = {"PREFIXSHARE_CACHE_DIR": str(self.work / f"cache-{name}"), "VLLM_CPU_KVCACHE_SPACE": "2"}
+        self.log(f"node {node}: starting the server and replica {name}")
+        session = ReplicaSession(self.work, f"replica-{name}", spec, timeout_s=SESSION_TIMEOUT_S, env=env,
                                  command=["ip", "netns", "exec", self.lab.ns(node), sys.executable,
                                           str(HERE / "node.py")])
         session.run([{"op": "generate", "ids": _ids(256, 10**6 + ord(node)), "tag": "warmup",
                       "params": {REQ_LOAD: "never", REQ_STORE: False}}])
         return session
 
-    @property
-    def b_url(self) -> str:
-        return f"http://127.0.0.1:{PORTS['b'][1]}"
+    def start_delayed(self, delay_ms: float = DELAY_MS) -> Path:
+        """The delay relay on the store node in front of Redis, and a second replica on node B (session
+        ``b-delay``, its own server and cost model) whose L2 is Redis through it; returns the relay's log."""
+        log = self.work / "delay.log"
+        self.lab.spawn("s", [sys.executable, str(HERE / "delay.py"), self.lab.ip("s"), str(RELAY_PORT),
+                             self.lab.ip("s"), str(REDIS_PORT), f"{delay_ms:g}"], log=log)
+        self.lab.wait_port("s", RELAY_PORT, from_node="b")
+        self.sessions["b-delay"] = self._session("b", "b-delay", store_port=RELAY_PORT)
+        return log
+
+    def rtt_to_store(self, port: int) -> float:
+        """Seconds of one Redis PING from node B to ``port`` on the store node (fastest of three)."""
+        out = self.lab.in_ns(self.lab.ns("b"), [sys.executable, "-c", _PING, self.lab.ip("s"), str(port)]).stdout
+        return float(out.strip())
+
+    def url(self, session: str) -> str:
+        return f"http://127.0.0.1:{PORTS[session][1]}"
 
     def redis_keys(self) -> int:
         out = self.lab.in_ns(self.lab.ns("s"), ["redis-cli", "-h", self.lab.ip("s"), "-p", str(REDIS_PORT),
@@ -167,24 +202,26 @@ class EngineLab:
                            "stores")
 
     # --- node B ----------------------------------------------------------------------------------------------
-    def b(self, seed: int, tag: str, *, load: str | None = None, clear_l1: bool = True) -> dict[str, Any]:
-        """One request for document ``seed`` on node B, with what it did and whether it equals A's cold answer."""
+    def b(self, seed: int, tag: str, *, load: str | None = None, clear_l1: bool = True,
+          session: str = "b") -> dict[str, Any]:
+        """One request for document ``seed`` on node B (replica ``session``), with what it did and whether it
+        equals A's cold answer."""
         steps: list[dict[str, Any]] = []
         if clear_l1:
-            steps.append({"op": "clear_l1", "url": self.b_url})
+            steps.append({"op": "clear_l1", "url": self.url(session)})
         params: dict[str, Any] = {REQ_STORE: False}
         if load is not None:
             params[REQ_LOAD] = load
         steps.append({"op": "generate", "ids": self.docs[seed], "tag": tag, "reset_local": True, "params": params})
-        out = self.sessions["b"].run(steps)[-1]
+        out = self.sessions[session].run(steps)[-1]
         out["same_as_cold"] = same_answer(out, self.cold[seed])
-        # what this request added to B's connector counters (its stats are cumulative)
-        stats, prev = out.get("stats") or {}, self._b_stats
+        # what this request added to the replica's connector counters (its stats are cumulative)
+        stats, prev = out.get("stats") or {}, self._stats.get(session, {})
         now, before = stats.get("fallbacks") or {}, prev.get("fallbacks") or {}
         out["fallbacks_added"] = {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
         now, before = stats.get("cost_decisions") or {}, prev.get("cost_decisions") or {}
         out["decisions_added"] = {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
-        self._b_stats = stats
+        self._stats[session] = stats
         return out
 
     def relearn(self, seeds: list[int]) -> None:

@@ -10,7 +10,10 @@ Asserted, every answer on B compared with node A's cold answer (greedy token ids
 * **a partition in the middle of a load**: the link cut once B's link carried part of the payload (asserted),
   answered within the same bound;
 * **the link healed**: loads resume (how long after the heal, reported);
-* **5 % packet loss**: answered, loaded, equal.
+* **5 % packet loss**: answered, loaded, equal;
+* **200 ms added to every round trip** (the lab's delay relay, 100 ms each way, in front of Redis; a second
+  replica on node B reaches the store through it): answered, equal, within the same bound, and the cost model
+  learns the slow store.
 
 The full sweep (two lengths x six points) is ``python tests/lab/engines.py --full`` (make bench)."""
 
@@ -25,7 +28,7 @@ from typing import Any
 import pytest
 
 from faults._matrix import Row, record
-from lab.engines import CHUNK_TOKENS, EngineLab, fallbacks
+from lab.engines import CHUNK_TOKENS, DELAY_MS, REDIS_PORT, RELAY_PORT, EngineLab, fallbacks
 from lab.lab import have_nft, unavailable
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
@@ -171,3 +174,33 @@ def test_packet_loss_slows_a_load_and_changes_no_answer(el: EngineLab, sweep: di
                max_added_latency_s=round(slowest - sweep["recompute_all_s"], 3), budget_s=TIMEOUT_S,
                extra={"seconds": [round(o["seconds"], 3) for o in outs],
                       "unshaped_load_s": round(sweep["unshaped_load_s"], 3)}))
+
+
+def test_a_200_ms_round_trip_to_the_store_costs_at_most_the_timeout(el: EngineLab, sweep: dict[str, Any]) -> None:
+    """A replica on node B whose store is 200 ms further away (every round trip), fresh cost model, mode auto:
+    its first request loads (uncalibrated), what it learns decides the rest; every answer equal to the cold one,
+    every request within load.timeout_s + 0.5 s of a recompute."""
+    seeds = [9501, 9502, 9503, 9504]
+    el.seed(seeds, TOKENS)
+    el.start_delayed()
+    direct, delayed = el.rtt_to_store(REDIS_PORT), el.rtt_to_store(RELAY_PORT)
+    assert delayed - direct >= 2 * DELAY_MS / 1e3 * 0.95, (direct, delayed)  # the fault is there
+    outs = [el.b(s, f"delay:{s}", session="b-delay") for s in seeds]
+    colds = [el.b(s, f"delay-cold:{s}", load="never", clear_l1=False, session="b-delay")["seconds"] for s in seeds]
+    added = [o["seconds"] - c for o, c in zip(outs, colds, strict=True)]
+    assert all(o["same_as_cold"] for o in outs), outs
+    assert max(added) <= TIMEOUT_S + 0.5, added
+    first = outs[0]["decisions_added"]
+    assert first.get("before_lookup:load") == 1, first  # uncalibrated: it went to the delayed store
+    choices = ["load" if o["num_cached_tokens"] >= CHUNK_TOKENS else "recompute" for o in outs]
+    record(Row("network", f"{2 * DELAY_MS} ms added to every round trip between a replica on node B and the store "
+               f"(the lab's delay relay, {DELAY_MS} ms each way); fresh cost model, mode auto",
+               f"answered, every answer equal to the cold one ({'/'.join(choices)}); added {max(added):+.2f} s at "
+               f"worst against a recompute (bound: load.timeout_s {TIMEOUT_S:g} s + 0.5 s); PING {direct * 1e3:.1f} "
+               f"ms direct, {delayed * 1e3:.0f} ms through the relay", tier="resp", requests=len(outs),
+               hits=sum(1 for c in choices if c == "load"), fallbacks=fallbacks(outs), identical_to_cold=True,
+               max_added_latency_s=round(max(added), 3), budget_s=TIMEOUT_S,
+               extra={"seconds": [round(o["seconds"], 3) for o in outs], "cold_s": [round(c, 3) for c in colds],
+                      "rtt_direct_s": round(direct, 4), "rtt_delayed_s": round(delayed, 4),
+                      "decisions": [o["decisions_added"] for o in outs],
+                      "fallback_reasons": [o["fallbacks_added"] for o in outs]}))
