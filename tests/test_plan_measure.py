@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def test_measure_puts_each_tier_beside_the_rated_links(cli: typer.Typer, tmp_pat
     store = tmp_path / "kv"
     store.mkdir()
     policy = _policy(tmp_path, f"  - type: fs\n    base_path: {store}\n")
+    env_before = {k: v for k, v in os.environ.items() if k.startswith("LMCACHE_")}
     result = runner.invoke(cli, ["plan", "qwen3-8b", "--measure", "--policy", str(policy), "--measure-mb", "24",
                                  "--reps", "2", "--prefill-rate", "2000", "-t", "1k,16k", "-l", "2.5GbE", "--json"])
     assert result.exit_code == 0, result.output
@@ -95,6 +97,9 @@ def test_measure_puts_each_tier_beside_the_rated_links(cli: typer.Typer, tmp_pat
         assert measured["verdict"] == (SHARING_WINS if sharing else PREFILL_WINS)
     assert not list(store.rglob("*psbench*"))  # the test object was deleted
     assert "break_even_tokens" in data["columns"][0]
+    # the measurement leaves LMCache's settings in this process's environment as it found them (a server started
+    # later by the same process inherits them: a log level set here once hid every INFO line of later servers)
+    assert {k: v for k, v in os.environ.items() if k.startswith("LMCACHE_")} == env_before
 
 
 def test_a_tier_that_does_not_answer_is_named_with_the_fix(cli: typer.Typer, tmp_path: Path) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -216,39 +215,40 @@ def measure_tier_links(policy: Any, *, bytes_per_token: int, total_bytes: int = 
                        reps: int = 3, log_line: Callable[[str], None] | None = None) -> list[TierLink]:
     """Each L2 tier of ``policy`` measured from this node: a test object of about ``total_bytes`` in chunks of
     the policy's chunk size (``bytes_per_token`` x ``policy.chunk_size``), ``reps`` times."""
+    from prefixshare.bench._micro import adapter_env, environment
     from prefixshare.bench._tiers import TierBenchSettings, label, measure_tier
     from prefixshare.tiers import require_client
 
-    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     chunk_bytes = bytes_per_token * policy.chunk_size
     chunks = max(1, min(256, round(total_bytes / chunk_bytes)))
     settings = TierBenchSettings(chunks=chunks, chunk_tokens=policy.chunk_size, reps=reps, raw=False,
                                  bytes_per_token=bytes_per_token)
     links = []
-    for tier in policy.l2:
-        name = label(tier)
-        if log_line:
-            log_line(f"measuring {name}: {reps} x {chunks} chunks of {chunk_bytes / 1e6:.1f} MB "
-                     f"({chunks * chunk_bytes / 1e6:.0f} MB)")
-        link = TierLink(name=name, describe=tier.describe())
-        try:
-            require_client(tier)
-            entry = measure_tier(tier, settings)
-        except Exception as exc:  # noqa: BLE001 - a tier that cannot be measured is named, the others measured
-            entry = {"error": f"{type(exc).__name__}: {exc}"}
-        if "error" in entry:
-            link.error, link.fix = entry["error"], _fix(tier, entry["error"])
-            log.warning("plan.tier_unmeasured", tier=name, error=link.error, fix=link.fix)
-        else:
-            evicted = entry.get("load_evicted_mbps")
-            load = evicted or entry["load_mbps"]
-            link.load_kind = "load, page cache evicted" if evicted else "load"
-            link.load_bytes_per_s = load["median"] * 1e6
-            link.store_bytes_per_s = entry["store_mbps"]["median"] * 1e6
-            link.latency_s = entry["lookup_ms"]["median"] / 1e3
-            link.figures = {k: entry[k] for k in ("store_mbps", "lookup_ms", "load_mbps", "load_evicted_mbps",
-                                                  "medium", "adapter") if k in entry}
-        links.append(link)
+    with environment(adapter_env()):  # LMCache's loggers made while measuring stay at its quiet level
+        for tier in policy.l2:
+            name = label(tier)
+            if log_line:
+                log_line(f"measuring {name}: {reps} x {chunks} chunks of {chunk_bytes / 1e6:.1f} MB "
+                         f"({chunks * chunk_bytes / 1e6:.0f} MB)")
+            link = TierLink(name=name, describe=tier.describe())
+            try:
+                require_client(tier)
+                entry = measure_tier(tier, settings)
+            except Exception as exc:  # noqa: BLE001 - a tier that cannot be measured is named, the others measured
+                entry = {"error": f"{type(exc).__name__}: {exc}"}
+            if "error" in entry:
+                link.error, link.fix = entry["error"], _fix(tier, entry["error"])
+                log.warning("plan.tier_unmeasured", tier=name, error=link.error, fix=link.fix)
+            else:
+                evicted = entry.get("load_evicted_mbps")
+                load = evicted or entry["load_mbps"]
+                link.load_kind = "load, page cache evicted" if evicted else "load"
+                link.load_bytes_per_s = load["median"] * 1e6
+                link.store_bytes_per_s = entry["store_mbps"]["median"] * 1e6
+                link.latency_s = entry["lookup_ms"]["median"] / 1e3
+                link.figures = {k: entry[k] for k in ("store_mbps", "lookup_ms", "load_mbps", "load_evicted_mbps",
+                                                      "medium", "adapter") if k in entry}
+            links.append(link)
     return links
 
 

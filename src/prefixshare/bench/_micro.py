@@ -8,9 +8,13 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from prefixshare._env import LMCACHE_QUIET
 
 if TYPE_CHECKING:
     from prefixshare.runtime import ConnectorRuntime, CostModel
@@ -174,6 +178,27 @@ def _files(directory: Path) -> list[Path]:
     return [p for p in directory.rglob("*") if p.is_file()]
 
 
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in this process's environment inside the block, and what was there before put back after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def adapter_env() -> dict[str, str]:
+    """The environment an adapter is built in, in this process (scoped by :func:`environment`, so that a server
+    this process starts later keeps its own log level): LMCache quiet, its log at WARNING unless the user set it."""
+    return {**LMCACHE_QUIET, "LMCACHE_LOG_LEVEL": os.environ.get("LMCACHE_LOG_LEVEL", "WARNING")}
+
+
 #: the fs L2 adapters P3 measures: prefixshare's checked adapter (the fs tier's default), LMCache's plain Python one
 #: (``fs``) and LMCache's native C++ one (``fs_native``, worker threads)
 FS_ADAPTERS = ("checked", "plain", "native")
@@ -181,7 +206,11 @@ FS_ADAPTERS = ("checked", "plain", "native")
 
 def fs_adapter(kind: str, directory: Path, io_threads: int = 4) -> Any:
     """One fs L2 adapter over ``directory``, as the MP server would build it."""
-    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+    with environment(adapter_env()):
+        return _fs_adapter(kind, directory, io_threads)
+
+
+def _fs_adapter(kind: str, directory: Path, io_threads: int) -> Any:
     if kind == "native":
         from lmcache.v1.distributed.l2_adapters import create_l2_adapter
         from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import FSNativeL2AdapterConfig

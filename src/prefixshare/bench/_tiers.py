@@ -32,15 +32,13 @@ import select
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixshare._env import LMCACHE_QUIET
 from prefixshare._log import get_logger
-from prefixshare.bench._micro import evict, machine, summary
+from prefixshare.bench._micro import adapter_env, environment, evict, machine, summary
 
 log = get_logger("prefixshare.bench")
 
@@ -88,20 +86,6 @@ def label(tier: Any) -> str:
     return str(tier.type)
 
 
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def build_adapter(tier: Any, l1: Any) -> tuple[Any, Any]:
     """(adapter, parsed config) for ``tier`` through LMCache's parser and factory, with ``l1``'s descriptor."""
     import argparse
@@ -116,7 +100,7 @@ def build_adapter(tier: Any, l1: Any) -> tuple[Any, Any]:
     config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[adapter_spec(tier)])).adapters[0]
     if config.serde_config is not None:  # the server would wrap the adapter; no tier renders serde today
         raise TierBenchError(f"{label(tier)}: serde wrappers are not measured here")
-    with _environment({**LMCACHE_QUIET, **tier.server_env()}):
+    with environment({**adapter_env(), **tier.server_env()}):
         adapter = create_l2_adapter(config, l1.get_l1_memory_desc())
     adapter.set_backend_identity(get_type_name_for_config(config), shared=config.shared)
     return adapter, config
@@ -481,7 +465,6 @@ def measure_tier(tier: Any, settings: TierBenchSettings) -> dict[str, Any]:
 def measure_tiers(policy: Any, settings: TierBenchSettings, *, log_line: Callable[[str], None] | None = None,
                   command: str = "") -> dict[str, Any]:
     """Every L2 tier of ``policy``, in order, each on its own adapter and buffers."""
-    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     results: dict[str, Any] = {
         "kind": "tier throughput", "command": command, "machine": machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -489,14 +472,15 @@ def measure_tiers(policy: Any, settings: TierBenchSettings, *, log_line: Callabl
         "units": "MB/s = 10^6 bytes per second; medians, min, max over the repetitions",
         "tiers": [],
     }
-    for tier in policy.l2:
-        if log_line:
-            log_line(f"tier {label(tier)}: {settings.reps} x ({settings.chunks} chunks of "
-                     f"{settings.chunk_bytes / 2**20:.2f} MiB)")
-        started = time.perf_counter()
-        entry = measure_tier(tier, settings)
-        entry["seconds"] = round(time.perf_counter() - started, 2)
-        results["tiers"].append(entry)
+    with environment(adapter_env()):  # LMCache's loggers made while measuring stay at its quiet level
+        for tier in policy.l2:
+            if log_line:
+                log_line(f"tier {label(tier)}: {settings.reps} x ({settings.chunks} chunks of "
+                         f"{settings.chunk_bytes / 2**20:.2f} MiB)")
+            started = time.perf_counter()
+            entry = measure_tier(tier, settings)
+            entry["seconds"] = round(time.perf_counter() - started, 2)
+            results["tiers"].append(entry)
     results["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     return results
 
