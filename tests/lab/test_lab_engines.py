@@ -196,11 +196,11 @@ def test_a_200_ms_round_trip_to_the_store_costs_at_most_the_timeout(el: EngineLa
     record(Row("network", f"{2 * DELAY_MS} ms added to every round trip between a replica on node B and the store "
                f"(the lab's delay relay, {DELAY_MS} ms each way); fresh cost model, mode auto",
                f"answered, every answer equal to the cold one ({'/'.join(choices)}); added {max(added):+.2f} s at "
-               f"worst against a recompute (bound: load.timeout_s {TIMEOUT_S:g} s + 0.5 s); PING {direct * 1e3:.1f} "
+               f"worst against a recompute (bound: load.timeout_s {TIMEOUT_S:g} s + 0.5 s); PING {direct * 1e3:.2f} "
                f"ms direct, {delayed * 1e3:.0f} ms through the relay", tier="resp", requests=len(outs),
                hits=sum(1 for c in choices if c == "load"), fallbacks=fallbacks(outs), identical_to_cold=True,
                max_added_latency_s=round(max(added), 3), budget_s=TIMEOUT_S,
                extra={"seconds": [round(o["seconds"], 3) for o in outs], "cold_s": [round(c, 3) for c in colds],
-                      "rtt_direct_s": round(direct, 4), "rtt_delayed_s": round(delayed, 4),
+                      "rtt_direct_s": round(direct, 6), "rtt_delayed_s": round(delayed, 6),
                       "decisions": [o["decisions_added"] for o in outs],
                       "fallback_reasons": [o["fallbacks_added"] for o in outs]}))
