@@ -34,9 +34,9 @@ test: $(STAMP) services
 	$(PY) -m pytest -ra --durations=15 $(PYTEST_ARGS)
 
 # Servers the tier tests start on loopback (a real Redis for the resp/valkey tiers), and the RDMA verbs
-# library Mooncake's client links even over TCP (mooncake_store tier), and nftables for the network lab's
-# packet loss and cut links (tests/lab). On CI a missing one is an error; elsewhere those tests skip with the
-# reason.
+# library Mooncake's client links even over TCP (mooncake_store tier), nftables for the network lab's
+# packet loss and cut links, and sshfs plus an SSH server for its shared filesystem over the network
+# (tests/lab). On CI a missing one is an error; elsewhere those tests skip with the reason.
 services:
 	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server >/dev/null; } \
 	  || { echo "redis-server could not be installed"; test -z "$$CI"; }
@@ -44,6 +44,10 @@ services:
 	  || { echo "libibverbs1 could not be installed"; test -z "$$CI"; }
 	@command -v nft >/dev/null || { apt-get update -q && apt-get install -y -q nftables >/dev/null; } \
 	  || { echo "nftables could not be installed (the network lab's loss and cut faults need it)"; test -z "$$CI"; }
+	@{ command -v sshfs && { command -v sshd || test -x /usr/sbin/sshd; }; } >/dev/null || \
+	  { apt-get update -q && apt-get install -y -q sshfs openssh-server >/dev/null; } \
+	  || { echo "sshfs / openssh-server could not be installed (the network lab's shared filesystem needs them)"; \
+	       test -z "$$CI"; }
 
 # The GPU check (tests/gpu/, LMCache's CUDA copy on synthetic KV; no engine): make gpu-wheels here, bring the
 # tree with build/gpu-wheels/ to a GPU host, run make gpu-check there (CPU-only machines: the CUDA rows skip).

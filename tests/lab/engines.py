@@ -40,7 +40,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from lab.lab import Lab  # noqa: E402
+from lab.lab import Lab, SshExport  # noqa: E402
 
 from prefixshare.bench._procs import ReplicaSession  # noqa: E402
 from prefixshare.keys import REQ_LOAD, REQ_STORE  # noqa: E402
@@ -50,7 +50,8 @@ BLOCK_SIZE = 128
 REDIS_PORT = 6393
 #: session -> (server port, http port): distinct per session (the servers' shared-memory segments are named by
 #: port); "b-delay" is a second replica on node B that reaches Redis through the delay relay
-PORTS = {"a": (17001, 17002), "b": (18001, 18002), "b-delay": (18101, 18102)}
+PORTS = {"a": (17001, 17002), "b": (18001, 18002), "b-delay": (18101, 18102), "a-sshfs": (17201, 17202),
+         "b-sshfs": (18201, 18202)}
 #: the delay relay (tests/lab/delay.py) on the store node, in front of Redis: DELAY_MS each way
 RELAY_PORT = 6394
 DELAY_MS = 100
@@ -80,8 +81,9 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 3000) for _ in range(n)]
 
 
-def policy(lab: Lab, session: str, *, timeout_s: float, mode: str = "auto",
-           store_port: int = REDIS_PORT) -> dict[str, Any]:
+def policy(lab: Lab, session: str, *, timeout_s: float, mode: str = "auto", store_port: int = REDIS_PORT,
+           l2: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A node's policy: Redis on the store node (at ``store_port``), or the ``l2`` tier given."""
     from prefixshare.policies import Policy
 
     port, http = PORTS[session]
@@ -89,7 +91,7 @@ def policy(lab: Lab, session: str, *, timeout_s: float, mode: str = "auto",
         chunk_size=CHUNK_TOKENS, l1={"size_gb": 1.0},
         server={"port": port, "http_port": http, "start_timeout_s": 180},
         load={"timeout_s": timeout_s, "mode": mode},
-        l2=[{"type": "resp", "host": lab.ip("s"), "port": store_port}],
+        l2=[l2 or {"type": "resp", "host": lab.ip("s"), "port": store_port}],
     ).to_dict()
 
 
@@ -141,18 +143,21 @@ class EngineLab:
             if path is not None:
                 path.unlink(missing_ok=True)
 
-    def _session(self, node: str, name: str | None = None, store_port: int = REDIS_PORT) -> ReplicaSession:
+    def _session(self, node: str, name: str | None = None, store_port: int = REDIS_PORT,
+                 l2: dict[str, Any] | None = None, wrap: Any = None) -> ReplicaSession:
+        """A replica (and its server) on ``node``; ``wrap`` turns the node's command into the one run (a mount
+        around it)."""
         name = name or node
         spec = {"model": str(self.model),
-                "policy": policy(self.lab, name, timeout_s=self.timeout_s, store_port=store_port),
+                "policy": policy(self.lab, name, timeout_s=self.timeout_s, store_port=store_port, l2=l2),
                 "instance": f"lab-{name}-{uuid.uuid4().hex[:6]}", "steps": [], "log_level": "INFO",
                 "server_log": str(self.work / f"server-{name}.log"),
                 "engine": {"max_model_len": self.max_tokens + 256, "block_size": BLOCK_SIZE}}
         env = {"PREFIXSHARE_CACHE_DIR": str(self.work / f"cache-{name}"), "VLLM_CPU_KVCACHE_SPACE": "2"}
         self.log(f"node {node}: starting the server and replica {name}")
         session = ReplicaSession(self.work, f"replica-{name}", spec, timeout_s=SESSION_TIMEOUT_S, env=env,
-                                 command=["ip", "netns", "exec", self.lab.ns(node), sys.executable,
-                                          str(HERE / "node.py")])
+                                 command=["ip", "netns", "exec", self.lab.ns(node),
+                                          *(wrap or list)([sys.executable, str(HERE / "node.py")])])
         session.run([{"op": "generate", "ids": _ids(256, 10**6 + ord(node)), "tag": "warmup",
                       "params": {REQ_LOAD: "never", REQ_STORE: False}}])
         return session
@@ -167,6 +172,29 @@ class EngineLab:
         self.sessions["b-delay"] = self._session("b", "b-delay", store_port=RELAY_PORT)
         return log
 
+    def start_sshfs(self) -> SshExport:
+        """An SSH server on the store node exporting a directory, and a replica on node A (``a-sshfs``) and one
+        on node B (``b-sshfs``) whose L2 is the ``fs`` tier (blake3-checked) on that directory, mounted over
+        sshfs in each node (inside the replica's own mount namespace); returns the export."""
+        export = self.lab.start_sshd(self.work)
+        for node in ("a", "b"):
+            mnt = self.work / f"mnt-{node}"
+            mnt.mkdir(exist_ok=True)
+            self.sessions[f"{node}-sshfs"] = self._session(
+                node, f"{node}-sshfs", l2={"type": "fs", "base_path": str(mnt)},
+                wrap=lambda args, mnt=mnt: self.lab.sshfs_wrap(export, mnt, args))
+        return export
+
+    def stop_session(self, name: str) -> None:
+        """Close one replica (and its server), freeing its memory for the next test."""
+        session = self.sessions.pop(name, None)
+        if session is not None:
+            try:
+                session.close()
+            except Exception:  # noqa: BLE001 - killed instead
+                if session.proc.poll() is None:
+                    session.proc.kill()
+
     def rtt_to_store(self, port: int) -> float:
         """Seconds of one Redis PING from node B to ``port`` on the store node (fastest of three)."""
         out = self.lab.in_ns(self.lab.ns("b"), [sys.executable, "-c", _PING, self.lab.ip("s"), str(port)]).stdout
@@ -180,25 +208,29 @@ class EngineLab:
                                                 "dbsize"]).stdout
         return int(out.strip() or 0)
 
-    def seed(self, seeds: list[int], tokens: int) -> None:
-        """Node A computes each document cold (its server stores it into Redis); waits until Redis stops growing."""
+    def seed(self, seeds: list[int], tokens: int, session: str = "a", stored: Any = None) -> list[dict[str, Any]]:
+        """Node A (replica ``session``) computes each document cold (its server stores it into the store); waits
+        until the store (``stored()``: objects it holds; default Redis's key count) stops growing. The first
+        cold answer of a document is the reference every later answer is compared with; returns A's answers."""
+        stored = stored or self.redis_keys
         steps = []
         for s in seeds:
             self.docs[s] = _ids(tokens + 1, s)
             steps.append({"op": "generate", "ids": self.docs[s], "tag": f"cold:{s}", "reset_local": True})
-        before = self.redis_keys()
-        for out in self.sessions["a"].run(steps):
-            self.cold[int(out["tag"].split(":")[1])] = out
+        before = stored()
+        outs = self.sessions[session].run(steps)
+        for out in outs:
+            self.cold.setdefault(int(out["tag"].split(":")[1]), out)
         expected = before + len(seeds) * (tokens // CHUNK_TOKENS)
         deadline, last, stable = time.monotonic() + 120, -1, 0
         while time.monotonic() < deadline:
-            keys = self.redis_keys()
+            keys = stored()
             stable = stable + 1 if keys == last else 0
             if keys >= expected and stable >= 2:
-                return
+                return outs
             last = keys
             time.sleep(0.5)
-        raise RuntimeError(f"Redis holds {self.redis_keys()} keys, expected at least {expected} after node A's "
+        raise RuntimeError(f"the store holds {stored()} objects, expected at least {expected} after node A's "
                            "stores")
 
     # --- node B ----------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from lab.lab import Lab  # noqa: E402
+from lab.lab import SSH_CIPHER, Lab  # noqa: E402
 
 from prefixshare.plan import kv_bytes_per_token, link_from_gbps, shape_from_config  # noqa: E402
 
@@ -41,12 +41,60 @@ CLASSES_GBIT = (1.0, 2.5, 10.0)
 PAYLOADS = (("bench", 1024), ("bench", 4096), ("bench", 8192), ("qwen3-8b", 1024), ("qwen3-8b", 4096))
 
 
-def _transfer(lab: Lab, node: str, spec: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
+class Transport:
+    """How a node reaches the store: the tier config both sides use, and what a transfer command is wrapped in
+    (for sshfs: the mount, made inside the node's own mount namespace for that command only)."""
+
+    name = "resp"
+
+    def __init__(self, lab: Lab, work: Path) -> None:
+        self.lab, self.work = lab, work
+
+    def tier(self, node: str) -> dict[str, Any]:
+        return {"type": "resp", "host": self.lab.ip("s"), "port": REDIS_PORT}
+
+    def wrap(self, node: str, args: list[str]) -> list[str]:
+        return args
+
+    def stored(self) -> int:
+        """Objects the store holds."""
+        out = self.lab.in_ns(self.lab.ns("s"), ["redis-cli", "-h", self.lab.ip("s"), "-p", str(REDIS_PORT),
+                                                "dbsize"]).stdout
+        return int(out.strip() or 0)
+
+
+class SshfsTransport(Transport):
+    """The ``fs`` tier (blake3-checked) on a directory of the store node mounted over sshfs on each node."""
+
+    name = "sshfs"
+
+    def __init__(self, lab: Lab, work: Path) -> None:
+        super().__init__(lab, work)
+        self.export = lab.start_sshd(work)
+
+    def mountpoint(self, node: str) -> Path:
+        path = self.work / f"mnt-{node}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def tier(self, node: str) -> dict[str, Any]:
+        return {"type": "fs", "base_path": str(self.mountpoint(node))}
+
+    def wrap(self, node: str, args: list[str]) -> list[str]:
+        return self.lab.sshfs_wrap(self.export, self.mountpoint(node), args)
+
+    def stored(self) -> int:
+        return sum(1 for p in self.export.path.rglob("*") if p.is_file())
+
+
+def _transfer(lab: Lab, node: str, spec: dict[str, Any], work: Path, timeout_s: float,
+              transport: Transport | None = None) -> dict[str, Any]:
     path = work / f"{spec['role']}-{uuid.uuid4().hex[:8]}.json"
     path.write_text(json.dumps(spec))
     bound = timeout_s + KILL_GRACE_S
+    args = [sys.executable, str(HERE / "transfer.py"), str(path)]
     try:
-        proc = lab.in_ns(lab.ns(node), [sys.executable, str(HERE / "transfer.py"), str(path)], check=False,
+        proc = lab.in_ns(lab.ns(node), transport.wrap(node, args) if transport else args, check=False,
                          timeout=bound)
     except subprocess.TimeoutExpired:
         # the process did not answer at all: against an unreachable store LMCache's resp client connects while
@@ -67,24 +115,28 @@ def payload_bytes(shape: str, tokens: int) -> tuple[int, int]:
     return per_token * CHUNK_TOKENS, tokens // CHUNK_TOKENS
 
 
-def measure_cell(lab: Lab, work: Path, gbit: float, shape: str, tokens: int, reps: int) -> dict[str, Any]:
-    """One link class x payload: ``reps`` store-then-load rounds, A -> store -> B."""
+def measure_cell(lab: Lab, work: Path, gbit: float, shape: str, tokens: int, reps: int,
+                 transport: Transport | None = None) -> dict[str, Any]:
+    """One link class x payload: ``reps`` store-then-load rounds, A -> store -> B (through Redis, or
+    ``transport``'s tier)."""
+    transport = transport or Transport(lab, work)
     chunk_bytes, chunks = payload_bytes(shape, tokens)
     total = chunk_bytes * chunks
     link = link_from_gbps(gbit)
     rated_s = link.seconds_for(total)
-    tier = {"type": "resp", "host": lab.ip("s"), "port": REDIS_PORT}
     timeout_s = max(60.0, 20 * rated_s)
     stores, lookups, loads, wire = [], [], [], []
     for rep in range(reps):
         model = f"lab-{uuid.uuid4().hex[:10]}"
-        base = {"tier": tier, "chunks": chunks, "chunk_bytes": chunk_bytes, "seed": rep + 1, "model": model,
+        base = {"chunks": chunks, "chunk_bytes": chunk_bytes, "seed": rep + 1, "model": model,
                 "timeout_s": timeout_s}
-        stored = _transfer(lab, "a", {**base, "role": "store"}, work, timeout_s)
+        stored = _transfer(lab, "a", {**base, "role": "store", "tier": transport.tier("a")}, work, timeout_s,
+                           transport)
         if not stored.get("ok"):
             raise RuntimeError(f"store failed: {stored}")
         before = lab.counters("b")
-        loaded = _transfer(lab, "b", {**base, "role": "load", "delete": True}, work, timeout_s)
+        loaded = _transfer(lab, "b", {**base, "role": "load", "delete": True, "tier": transport.tier("b")}, work,
+                           timeout_s, transport)
         after = lab.counters("b")
         if not loaded.get("ok"):
             raise RuntimeError(f"load failed: {loaded}")
@@ -94,7 +146,7 @@ def measure_cell(lab: Lab, work: Path, gbit: float, shape: str, tokens: int, rep
         wire.append(after["rx_bytes"] - before["rx_bytes"])
     store_s, load_s = statistics.median(stores), statistics.median(loads)
     return {
-        "link_gbit": gbit, "shape": shape, "tokens": tokens, "bytes": total, "chunks": chunks,
+        "transport": transport.name, "link_gbit": gbit, "shape": shape, "tokens": tokens, "bytes": total, "chunks": chunks,
         "rated_s": rated_s, "store_s": store_s, "lookup_s": statistics.median(lookups), "load_s": load_s,
         "store_over_rated": store_s / rated_s, "load_over_rated": load_s / rated_s,
         "load_gbps": total / load_s / 1e9, "wire_bytes_b": statistics.median(wire),
@@ -104,23 +156,30 @@ def measure_cell(lab: Lab, work: Path, gbit: float, shape: str, tokens: int, rep
 
 
 def measure(classes: tuple[float, ...], payloads: tuple[tuple[str, int], ...], reps: int, work: Path,
-            log: Any = print) -> dict[str, Any]:
-    """The whole table in one lab (one Redis on the store node; links reshaped per class)."""
+            log: Any = print, transports: tuple[str, ...] = ("resp",)) -> dict[str, Any]:
+    """The whole table in one lab (Redis, and an SSH server for sshfs, on the store node; links reshaped per
+    class); ``transports``: ``resp`` and/or ``sshfs``."""
     work.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     with Lab() as lab:
         lab.start_redis(REDIS_PORT, work)
+        made = {name: (SshfsTransport if name == "sshfs" else Transport)(lab, work) for name in transports}
         for gbit in classes:
             for node in ("a", "b"):
                 lab.shape(node, gbit * 1000)
-            for shape, tokens in payloads:
-                row = measure_cell(lab, work, gbit, shape, tokens, reps)
-                log(f"{gbit:g} Gbit/s {shape} {tokens} tok: {row['bytes'] / 1e6:.0f} MB load {row['load_s']:.2f} s "
-                    f"= {row['load_over_rated']:.2f}x rated, store {row['store_over_rated']:.2f}x")
-                rows.append(row)
+            for transport in made.values():
+                for shape, tokens in payloads:
+                    row = measure_cell(lab, work, gbit, shape, tokens, reps, transport)
+                    log(f"{transport.name} {gbit:g} Gbit/s {shape} {tokens} tok: {row['bytes'] / 1e6:.0f} MB load "
+                        f"{row['load_s']:.2f} s = {row['load_over_rated']:.2f}x rated, store "
+                        f"{row['store_over_rated']:.2f}x")
+                    rows.append(row)
     return {"rows": rows, "seconds": round(time.monotonic() - started, 1), "chunk_tokens": CHUNK_TOKENS,
-            "reps": reps, "transport": "resp tier (Redis on the store node), tbf-shaped veth links via a bridge"}
+            "reps": reps, "transports": {
+                "resp": "resp tier (Redis on the store node), tbf-shaped veth links via a bridge",
+                "sshfs": "fs tier (blake3-checked) on the store node's directory mounted over sshfs (SFTP, "
+                         f"{SSH_CIPHER}) on each node, the same links"}}
 
 
 def _commit() -> str:
@@ -140,7 +199,8 @@ def main() -> None:
     commit = _commit()
     classes = CLASSES_GBIT if args.full else (2.5,)
     payloads = PAYLOADS if args.full else (("bench", 4096), ("qwen3-8b", 1024))
-    result = measure(classes, payloads, args.reps, Path("/var/tmp") / f"prefixshare-lab-{run_id}")
+    result = measure(classes, payloads, args.reps, Path("/var/tmp") / f"prefixshare-lab-{run_id}",
+                     transports=("resp", "sshfs") if args.full else ("resp",))
     result.update(run_id=run_id, commit=commit, kind="full" if args.full else "subset")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"lab {run_id}: {len(result['rows'])} cells in {result['seconds']} s -> {args.out}")

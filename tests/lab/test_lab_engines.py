@@ -13,7 +13,10 @@ Asserted, every answer on B compared with node A's cold answer (greedy token ids
 * **5 % packet loss**: answered, loaded, equal;
 * **200 ms added to every round trip** (the lab's delay relay, 100 ms each way, in front of Redis; a second
   replica on node B reaches the store through it): answered, equal, within the same bound, and the cost model
-  learns the slow store.
+  learns the slow store;
+* **a shared filesystem over the network**: the store node's directory mounted over sshfs on A and B, the ``fs``
+  tier on it; A computes, B loads every chunk across its link (counted on B's interface), equal to A's cold
+  answer; the negative control damages the chunk files on the store node and B loads nothing, answers cold.
 
 The full sweep (two lengths x six points) is ``python tests/lab/engines.py --full`` (make bench)."""
 
@@ -29,7 +32,7 @@ import pytest
 
 from faults._matrix import Row, record
 from lab.engines import CHUNK_TOKENS, DELAY_MS, REDIS_PORT, RELAY_PORT, EngineLab, fallbacks
-from lab.lab import have_nft, unavailable
+from lab.lab import have_nft, sshfs_missing, unavailable
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
 
@@ -185,8 +188,12 @@ def test_a_200_ms_round_trip_to_the_store_costs_at_most_the_timeout(el: EngineLa
     el.start_delayed()
     direct, delayed = el.rtt_to_store(REDIS_PORT), el.rtt_to_store(RELAY_PORT)
     assert delayed - direct >= 2 * DELAY_MS / 1e3 * 0.95, (direct, delayed)  # the fault is there
-    outs = [el.b(s, f"delay:{s}", session="b-delay") for s in seeds]
-    colds = [el.b(s, f"delay-cold:{s}", load="never", clear_l1=False, session="b-delay")["seconds"] for s in seeds]
+    try:
+        outs = [el.b(s, f"delay:{s}", session="b-delay") for s in seeds]
+        colds = [el.b(s, f"delay-cold:{s}", load="never", clear_l1=False, session="b-delay")["seconds"]
+                 for s in seeds]
+    finally:
+        el.stop_session("b-delay")
     added = [o["seconds"] - c for o, c in zip(outs, colds, strict=True)]
     assert all(o["same_as_cold"] for o in outs), outs
     assert max(added) <= TIMEOUT_S + 0.5, added
@@ -204,3 +211,53 @@ def test_a_200_ms_round_trip_to_the_store_costs_at_most_the_timeout(el: EngineLa
                       "rtt_direct_s": round(direct, 6), "rtt_delayed_s": round(delayed, 6),
                       "decisions": [o["decisions_added"] for o in outs],
                       "fallback_reasons": [o["fallbacks_added"] for o in outs]}))
+
+
+def test_a_document_shared_over_sshfs_loads_on_node_b_and_damaged_chunks_are_refused(el: EngineLab) -> None:
+    reason = sshfs_missing()
+    if reason is not None:
+        _skip_or_fail(reason)
+    seeds = [9901]
+    export = el.start_sshfs()
+    try:
+        files = lambda: sum(1 for p in export.path.rglob("*") if p.is_file())  # noqa: E731
+        (a_out,) = el.seed(seeds, TOKENS, session="a-sshfs", stored=files)
+        assert a_out["num_cached_tokens"] == 0, a_out  # node A's answer is a cold one: the reference
+        from prefixshare.model import kv_bytes_per_token
+
+        kv_bytes = TOKENS * kv_bytes_per_token("bench", 4)
+        rx = el.b_rx_bytes()
+        out = el.b(seeds[0], "sshfs", load="always", session="b-sshfs")
+        crossed = el.b_rx_bytes() - rx
+        assert out["same_as_cold"], out
+        assert out["num_cached_tokens"] >= TOKENS, out
+        assert crossed >= kv_bytes, (crossed, kv_bytes)  # the KV came over B's link, not from anything local
+        # negative control: every chunk file on the store node damaged in its payload -> refused, cold answer
+        damaged = 0
+        for path in export.path.rglob("*.data"):
+            with open(path, "r+b") as f:
+                f.seek(path.stat().st_size // 2)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            damaged += 1
+        assert damaged >= TOKENS // CHUNK_TOKENS, damaged
+        bad = el.b(seeds[0], "sshfs-damaged", load="always", session="b-sshfs")
+        assert bad["num_cached_tokens"] == 0, bad
+        assert bad["same_as_cold"], bad
+        # the fault met the integrity check (not a lost mount): B's server named each damaged chunk
+        detected = (el.work / "server-b-sshfs.log").read_text(errors="replace").count("store.damaged_chunk")
+        assert detected >= 1, "node B's server logged no damaged chunk"
+    finally:
+        for name in ("a-sshfs", "b-sshfs"):
+            el.stop_session(name)
+    record(Row("network", "a shared filesystem over the network: the store node's directory mounted over sshfs on "
+               "nodes A and B, the fs tier (blake3-checked) on it",
+               f"node B loaded all {out['num_cached_tokens']} tokens A computed ({crossed / 1e6:.1f} MB crossed B's "
+               f"link, KV {kv_bytes / 1e6:.1f} MB) in {out['seconds']:.2f} s against A's cold {a_out['seconds']:.2f} "
+               f"s, answer equal to A's; with {damaged} chunk files damaged on the store node B loaded nothing and "
+               f"answered cold (its server refused {detected} damaged chunks)", tier="fs", requests=2, hits=1,
+               fallbacks=fallbacks([out, bad]), corrupt_detected=detected, identical_to_cold=True,
+               extra={"load_s": round(out["seconds"], 3), "cold_s": round(a_out["seconds"], 3),
+                      "rx_bytes": crossed, "kv_bytes": kv_bytes, "damaged_files": damaged,
+                      "damaged_fallbacks": bad["fallbacks_added"]}))
