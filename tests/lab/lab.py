@@ -48,6 +48,11 @@ CMD_TIMEOUT_S = 20
 SSH_PORT = 2222
 SSH_CIPHER = "aes128-gcm@openssh.com"
 SSHFS_CONNS = 1
+#: Mooncake Store on the store node: master RPC, its HTTP metadata server, its metrics, the segment holder
+MOONCAKE_PORTS = (50051, 8080, 9003, 17812)
+#: the segment holder's memory: room for several of the largest payload the link table moves (604 MB): a
+#: deleted object stays while its read lease lasts, so a table's back-to-back rounds overlap
+MOONCAKE_SEGMENT_MB = 4096
 
 
 class LabError(RuntimeError):
@@ -91,6 +96,15 @@ def sshfs_missing() -> str | None:
     if not Path("/dev/fuse").exists():
         return "the sshfs tier needs /dev/fuse (FUSE is not available on this machine)"
     return None
+
+
+@dataclass(frozen=True)
+class MooncakeStore:
+    """Mooncake Store on the store node (see :meth:`Lab.start_mooncake`): the master's RPC address and the
+    metadata server's URL, as the ``mooncake_store`` tier takes them."""
+
+    master: str
+    metadata: str
 
 
 @dataclass(frozen=True)
@@ -296,6 +310,32 @@ class Lab:
                   'mnt=$1; shift 4; "$@"; rc=$?; fusermount3 -u "$mnt" 2>/dev/null; exit $rc')
         return ["sh", "-c", script, "sshfs-wrap", str(mountpoint), str(export.port), opts,
                 f"root@{export.host}:{export.path}", *args]
+
+    def start_mooncake(self, workdir: Path, segment_mb: int = MOONCAKE_SEGMENT_MB) -> MooncakeStore:
+        """Mooncake Store on the store node: ``mooncake_master`` (with its HTTP metadata server) and one
+        ``mooncake_client`` holding a ``segment_mb`` memory segment (TCP), both on the store node's lab address;
+        the nodes' servers contribute no memory, so what A stores is read by B from the store node."""
+        tools = {}
+        for name in ("mooncake_master", "mooncake_client"):
+            found = shutil.which(name) or str(Path(sys.executable).parent / name)
+            if not Path(found).exists():
+                raise LabError(f"{name} is not installed (pip install 'prefixshare[mooncake]')")
+            tools[name] = found
+        host, (rpc, http, metrics, holder) = self.ip("s"), MOONCAKE_PORTS
+        self.spawn("s", [tools["mooncake_master"], f"--rpc_address={host}", f"--rpc_port={rpc}",
+                         "--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
+                         f"--http_metadata_server_port={http}", f"--metrics_host={host}",
+                         f"--metrics_port={metrics}"], log=workdir / "mooncake-master.log")
+        self.wait_port("s", rpc, from_node="a")
+        self.wait_port("s", http, from_node="a")
+        store = MooncakeStore(master=f"{host}:{rpc}", metadata=f"http://{host}:{http}/metadata")
+        self.spawn("s", [tools["mooncake_client"], f"--host={host}", f"--port={holder}",
+                         f"--global_segment_size={segment_mb}MB", "--local_buffer_size=16MB",
+                         f"--master_server_address={store.master}", f"--metadata_server={store.metadata}",
+                         "--protocol=tcp"], log=workdir / "mooncake-client.log")
+        self.wait_port("s", holder, from_node="a")
+        time.sleep(0.5)  # the segment is mounted right after the service starts listening
+        return store
 
     # --- shaping and faults --------------------------------------------------------------------------------
     def shape(self, node: str, rate_mbit: float | None) -> None:

@@ -56,12 +56,6 @@ class Transport:
     def wrap(self, node: str, args: list[str]) -> list[str]:
         return args
 
-    def stored(self) -> int:
-        """Objects the store holds."""
-        out = self.lab.in_ns(self.lab.ns("s"), ["redis-cli", "-h", self.lab.ip("s"), "-p", str(REDIS_PORT),
-                                                "dbsize"]).stdout
-        return int(out.strip() or 0)
-
 
 class SshfsTransport(Transport):
     """The ``fs`` tier (blake3-checked) on a directory of the store node mounted over sshfs on each node."""
@@ -83,8 +77,24 @@ class SshfsTransport(Transport):
     def wrap(self, node: str, args: list[str]) -> list[str]:
         return self.lab.sshfs_wrap(self.export, self.mountpoint(node), args)
 
-    def stored(self) -> int:
-        return sum(1 for p in self.export.path.rglob("*") if p.is_file())
+
+class MooncakeTransport(Transport):
+    """The ``mooncake_store`` tier: master and the segment holder on the store node (TCP); each node's client
+    contributes no memory and names its own lab address."""
+
+    name = "mooncake"
+
+    def __init__(self, lab: Lab, work: Path) -> None:
+        super().__init__(lab, work)
+        self.store = lab.start_mooncake(work)
+
+    def tier(self, node: str) -> dict[str, Any]:
+        return {"type": "mooncake_store", "master_server_addr": self.store.master,
+                "metadata_server": self.store.metadata, "local_hostname": self.lab.ip(node),
+                "global_segment_size": 0, "local_buffer_size": 256 * 2**20}
+
+
+TRANSPORTS = {"resp": Transport, "sshfs": SshfsTransport, "mooncake": MooncakeTransport}
 
 
 def _transfer(lab: Lab, node: str, spec: dict[str, Any], work: Path, timeout_s: float,
@@ -164,13 +174,19 @@ def measure(classes: tuple[float, ...], payloads: tuple[tuple[str, int], ...], r
     started = time.monotonic()
     with Lab() as lab:
         lab.start_redis(REDIS_PORT, work)
-        made = {name: (SshfsTransport if name == "sshfs" else Transport)(lab, work) for name in transports}
+        made = {name: TRANSPORTS[name](lab, work) for name in transports}
         for gbit in classes:
             for node in ("a", "b"):
                 lab.shape(node, gbit * 1000)
             for transport in made.values():
                 for shape, tokens in payloads:
-                    row = measure_cell(lab, work, gbit, shape, tokens, reps, transport)
+                    try:
+                        row = measure_cell(lab, work, gbit, shape, tokens, reps, transport)
+                    except RuntimeError as exc:  # a failed cell is a row that says so; the table goes on
+                        rows.append({"transport": transport.name, "link_gbit": gbit, "shape": shape, "tokens": tokens,
+                                     "error": str(exc)[:400]})
+                        log(f"{transport.name} {gbit:g} Gbit/s {shape} {tokens} tok: FAILED {exc}")
+                        continue
                     log(f"{transport.name} {gbit:g} Gbit/s {shape} {tokens} tok: {row['bytes'] / 1e6:.0f} MB load "
                         f"{row['load_s']:.2f} s = {row['load_over_rated']:.2f}x rated, store "
                         f"{row['store_over_rated']:.2f}x")
@@ -179,7 +195,9 @@ def measure(classes: tuple[float, ...], payloads: tuple[tuple[str, int], ...], r
             "reps": reps, "transports": {
                 "resp": "resp tier (Redis on the store node), tbf-shaped veth links via a bridge",
                 "sshfs": "fs tier (blake3-checked) on the store node's directory mounted over sshfs (SFTP, "
-                         f"{SSH_CIPHER}) on each node, the same links"}}
+                         f"{SSH_CIPHER}) on each node, the same links",
+                "mooncake": "mooncake_store tier: mooncake_master and one mooncake_client holding the segment on "
+                            "the store node (TCP transport), the same links"}}
 
 
 def _commit() -> str:
@@ -200,7 +218,7 @@ def main() -> None:
     classes = CLASSES_GBIT if args.full else (2.5,)
     payloads = PAYLOADS if args.full else (("bench", 4096), ("qwen3-8b", 1024))
     result = measure(classes, payloads, args.reps, Path("/var/tmp") / f"prefixshare-lab-{run_id}",
-                     transports=("resp", "sshfs") if args.full else ("resp",))
+                     transports=("resp", "sshfs", "mooncake") if args.full else ("resp",))
     result.update(run_id=run_id, commit=commit, kind="full" if args.full else "subset")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"lab {run_id}: {len(result['rows'])} cells in {result['seconds']} s -> {args.out}")

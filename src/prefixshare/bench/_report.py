@@ -536,7 +536,8 @@ def _md_lab(lab: dict[str, Any] | None) -> list[str]:
         f"Three network namespaces (node A, node B, a store node) behind a bridge; both nodes' links shaped with "
         f"`tbf` to the class's rate. Node A stores one request's KV ({lab['chunk_tokens']}-token chunks) through "
         "a tier's adapter — `resp`: Redis on the store node; `sshfs`: the `fs` tier (blake3-checked) on the store "
-        "node's directory mounted over sshfs on each node — and node B, another process with no memory of the "
+        "node's directory mounted over sshfs on each node; `mooncake`: `mooncake_store`, master and the "
+        "segment-holding client on the store node (TCP) — and node B, another process with no memory of the "
         "store, looks it up, loads it and compares every byte. *Rated*: `prefixshare plan`'s time for the same "
         "bytes on the class's line rate (a lower bound: no row may beat it). Medians of "
         f"{lab['reps']}; run `{lab.get('run_id')}`, commit `{str(lab.get('commit', ''))[:12]}` "
@@ -547,6 +548,10 @@ def _md_lab(lab: dict[str, Any] | None) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in lab["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['link_gbit']:g} Gbit/s | {r['transport']} | {r['shape']} | {r['tokens']} | "
+                         f"**FAILED**: {r['error'][:200]} ||||||||")
+            continue
         lines.append(
             f"| {r['link_gbit']:g} Gbit/s | {r.get('transport', 'resp')} | {r['shape']} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | "
             f"{r['rated_s']:.3f} s | {r['store_s']:.3f} s | {r['load_s']:.3f} s | {r['load_over_rated']:.2f}× | "
