@@ -50,9 +50,9 @@ SSH_CIPHER = "aes128-gcm@openssh.com"
 SSHFS_CONNS = 1
 #: Mooncake Store on the store node: master RPC, its HTTP metadata server, its metrics, the segment holder
 MOONCAKE_PORTS = (50051, 8080, 9003, 17812)
-#: the segment holder's memory: room for several of the largest payload the link table moves (604 MB): a
-#: deleted object stays while its read lease lasts, so a table's back-to-back rounds overlap
-MOONCAKE_SEGMENT_MB = 4096
+#: the segment holder's memory: one link-table cell's rounds (3 x 604 MB at most, below the eviction watermark; a fresh store
+#: per cell, as the adapter's delete does not reach Mooncake and a put that finds the segment full fails)
+MOONCAKE_SEGMENT_MB = 3072
 
 
 class LabError(RuntimeError):
@@ -105,6 +105,7 @@ class MooncakeStore:
 
     master: str
     metadata: str
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -311,31 +312,42 @@ class Lab:
         return ["sh", "-c", script, "sshfs-wrap", str(mountpoint), str(export.port), opts,
                 f"root@{export.host}:{export.path}", *args]
 
-    def start_mooncake(self, workdir: Path, segment_mb: int = MOONCAKE_SEGMENT_MB) -> MooncakeStore:
+    def start_mooncake(self, workdir: Path, segment_mb: int = MOONCAKE_SEGMENT_MB, port_offset: int = 0) -> MooncakeStore:
         """Mooncake Store on the store node: ``mooncake_master`` (with its HTTP metadata server) and one
-        ``mooncake_client`` holding a ``segment_mb`` memory segment (TCP), both on the store node's lab address;
-        the nodes' servers contribute no memory, so what A stores is read by B from the store node."""
+        ``mooncake_client`` holding a ``segment_mb`` memory segment (TCP), both on the store node's lab address
+        (ports ``MOONCAKE_PORTS`` + ``port_offset``); the nodes' servers contribute no memory, so what A stores
+        is read by B from the store node. :meth:`stop` ends it."""
         tools = {}
         for name in ("mooncake_master", "mooncake_client"):
             found = shutil.which(name) or str(Path(sys.executable).parent / name)
             if not Path(found).exists():
                 raise LabError(f"{name} is not installed (pip install 'prefixshare[mooncake]')")
             tools[name] = found
-        host, (rpc, http, metrics, holder) = self.ip("s"), MOONCAKE_PORTS
-        self.spawn("s", [tools["mooncake_master"], f"--rpc_address={host}", f"--rpc_port={rpc}",
+        host, (rpc, http, metrics, holder) = self.ip("s"), (p + port_offset for p in MOONCAKE_PORTS)
+        master = self.spawn("s", [tools["mooncake_master"], f"--rpc_address={host}", f"--rpc_port={rpc}",
                          "--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
                          f"--http_metadata_server_port={http}", f"--metrics_host={host}",
                          f"--metrics_port={metrics}"], log=workdir / "mooncake-master.log")
         self.wait_port("s", rpc, from_node="a")
         self.wait_port("s", http, from_node="a")
-        store = MooncakeStore(master=f"{host}:{rpc}", metadata=f"http://{host}:{http}/metadata")
-        self.spawn("s", [tools["mooncake_client"], f"--host={host}", f"--port={holder}",
+        store = MooncakeStore(master=f"{host}:{rpc}", metadata=f"http://{host}:{http}/metadata", procs=[master])
+        store.procs.append(self.spawn("s", [tools["mooncake_client"], f"--host={host}", f"--port={holder}",
                          f"--global_segment_size={segment_mb}MB", "--local_buffer_size=16MB",
                          f"--master_server_address={store.master}", f"--metadata_server={store.metadata}",
-                         "--protocol=tcp"], log=workdir / "mooncake-client.log")
+                         "--protocol=tcp"], log=workdir / "mooncake-client.log"))
         self.wait_port("s", holder, from_node="a")
         time.sleep(0.5)  # the segment is mounted right after the service starts listening
         return store
+
+    def stop(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        """End processes this lab started (their groups), before the lab goes down."""
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+            if proc in self.procs:
+                self.procs.remove(proc)
 
     # --- shaping and faults --------------------------------------------------------------------------------
     def shape(self, node: str, rate_mbit: float | None) -> None:

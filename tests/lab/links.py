@@ -56,6 +56,9 @@ class Transport:
     def wrap(self, node: str, args: list[str]) -> list[str]:
         return args
 
+    def fresh(self) -> None:
+        """Before a cell: the store as the cell needs it (the rounds delete what they stored)."""
+
 
 class SshfsTransport(Transport):
     """The ``fs`` tier (blake3-checked) on a directory of the store node mounted over sshfs on each node."""
@@ -86,7 +89,15 @@ class MooncakeTransport(Transport):
 
     def __init__(self, lab: Lab, work: Path) -> None:
         super().__init__(lab, work)
+        self.cells = 0
         self.store = lab.start_mooncake(work)
+
+    def fresh(self) -> None:
+        """A new master and segment holder for every cell (new ports: no wait for the old ones' sockets): the
+        adapter's delete does not reach Mooncake, and a put into a full segment fails."""
+        self.lab.stop(self.store.procs)
+        self.cells += 1
+        self.store = self.lab.start_mooncake(self.work, port_offset=10 * self.cells)
 
     def tier(self, node: str) -> dict[str, Any]:
         return {"type": "mooncake_store", "master_server_addr": self.store.master,
@@ -130,6 +141,7 @@ def measure_cell(lab: Lab, work: Path, gbit: float, shape: str, tokens: int, rep
     """One link class x payload: ``reps`` store-then-load rounds, A -> store -> B (through Redis, or
     ``transport``'s tier)."""
     transport = transport or Transport(lab, work)
+    transport.fresh()
     chunk_bytes, chunks = payload_bytes(shape, tokens)
     total = chunk_bytes * chunks
     link = link_from_gbps(gbit)
