@@ -50,8 +50,9 @@ SSH_CIPHER = "aes128-gcm@openssh.com"
 SSHFS_CONNS = 1
 #: Mooncake Store on the store node: master RPC, its HTTP metadata server, its metrics, the segment holder
 MOONCAKE_PORTS = (50051, 8080, 9003, 17812)
-#: the segment holder's memory: one link-table cell's rounds (3 x 604 MB at most, below the eviction watermark; a fresh store
-#: per cell, as the adapter's delete does not reach Mooncake and a put that finds the segment full fails)
+#: the segment holder's memory: one link-table cell's rounds (3 x 604 MB at most, below the eviction
+#: watermark); a fresh store per cell, as the adapter's delete does not reach Mooncake and a put into a full
+#: segment fails
 MOONCAKE_SEGMENT_MB = 3072
 
 
