@@ -12,7 +12,10 @@ Nothing touches the host's namespace: the bridge lives in a hub namespace, node 
 a node and the hub, addresses exist only inside the lab, there is no default route, no NAT and no
 forwarding, so traffic cannot leave the lab. Each node's link is shaped in both directions with ``tbf``
 (egress of the node's end, egress of the hub's end); this kernel has no ``netem``, so loss and cuts are
-nftables rules in the node (``numgen random mod 100 < N drop``, or a plain drop toward the store).
+nftables rules in the node (``numgen random mod 100 < N drop``, or a plain drop toward the store). The store node
+runs what the tests ask for: Redis (:meth:`Lab.start_redis`), Mooncake Store (:meth:`Lab.start_mooncake`), an SSH
+server whose directory a node mounts with sshfs inside its own command's mount namespace
+(:meth:`Lab.start_sshd`, :meth:`Lab.sshfs_wrap`).
 
 :meth:`Lab.up` first removes what a crashed lab left (namespaces named ``psl<ID>-*`` whose creating process
 is gone, with the processes inside them); :meth:`Lab.down` kills what the lab started and deletes its

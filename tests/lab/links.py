@@ -1,10 +1,12 @@
 """The rated link table, measured: one request's KV moved from node A through the store node to node B over
 shaped links, against ``prefixshare plan``'s arithmetic for the same bytes and rate.
 
-Per link class (both nodes' links shaped to the class's rate with ``tbf``) and payload (a model shape's KV
-bytes per token x a prompt length, in the policy's 256-token chunks): node A stores the chunks through the
-``resp`` tier's adapter into Redis on the store node, then node B, another process with no memory of the
-store, looks them up and loads them and compares every byte. A row holds the measured store and load
+Per link class (both nodes' links shaped to the class's rate with ``tbf``), transport and payload (a model
+shape's KV bytes per token x a prompt length, in the policy's 256-token chunks): node A stores the chunks through
+a tier's adapter — ``resp`` (Redis on the store node), ``sshfs`` (the ``fs`` tier on the store node's directory
+mounted over sshfs in each node) or ``mooncake`` (``mooncake_store``: master and segment holder on the store
+node, a fresh one per cell) — then node B, another process with no memory of the store, looks them up and loads
+them and compares every byte. A row holds the measured store and load
 times (median of ``reps``), the plan's time for the same bytes on the class's rated link, their ratio, and
 the bytes the kernel counted on B's link (what the wire really carried).
 
