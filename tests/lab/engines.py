@@ -126,13 +126,8 @@ class EngineLab:
         self.close()
 
     def close(self) -> None:
-        for session in self.sessions.values():
-            try:
-                session.close()
-            except Exception:  # noqa: BLE001 - a session that cannot close cleanly is killed with the lab
-                if session.proc.poll() is None:
-                    session.proc.kill()
-        self.sessions.clear()
+        for name in list(self.sessions):
+            self.stop_session(name)
         self.lab.down()
         # a node server killed with its namespace cannot remove its shared-memory L1 pool: up to l1.size_gb of
         # /dev/shm each, which later servers on this machine would find missing (they then copy through the socket)
@@ -191,7 +186,7 @@ class EngineLab:
         if session is not None:
             try:
                 session.close()
-            except Exception:  # noqa: BLE001 - killed instead
+            except Exception:  # noqa: BLE001 - a session that cannot close cleanly is killed
                 if session.proc.poll() is None:
                     session.proc.kill()
 

@@ -54,8 +54,8 @@ SSHFS_CONNS = 1
 #: Mooncake Store on the store node: master RPC, its HTTP metadata server, its metrics, the segment holder
 MOONCAKE_PORTS = (50051, 8080, 9003, 17812)
 #: the segment holder's memory: one link-table cell's rounds (3 x 604 MB at most, below the eviction
-#: watermark); a fresh store per cell, as the adapter's delete does not reach Mooncake and a put into a full
-#: segment fails
+#: watermark); a fresh store per cell, as Mooncake refuses to delete an object read in the last 10 s (its read
+#: lease) and a put into a full segment fails
 MOONCAKE_SEGMENT_MB = 3072
 
 
@@ -209,12 +209,7 @@ class Lab:
         return self
 
     def down(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=5)
-        self.procs.clear()
+        self.stop(list(self.procs))
         present = set(_namespaces())
         for name in [*(self.ns(n) for n in NODES), self.hub]:
             if name in present:

@@ -29,7 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from lab.lab import SSH_CIPHER, Lab  # noqa: E402
+from lab.lab import SSH_CIPHER, Lab, MooncakeStore  # noqa: E402
 
 from prefixshare.plan import kv_bytes_per_token, link_from_gbps, shape_from_config  # noqa: E402
 
@@ -92,16 +92,19 @@ class MooncakeTransport(Transport):
     def __init__(self, lab: Lab, work: Path) -> None:
         super().__init__(lab, work)
         self.cells = 0
-        self.store = lab.start_mooncake(work)
+        self.store: MooncakeStore | None = None  # started by fresh(), before each cell
 
     def fresh(self) -> None:
-        """A new master and segment holder for every cell (new ports: no wait for the old ones' sockets): the
-        adapter's delete does not reach Mooncake, and a put into a full segment fails."""
-        self.lab.stop(self.store.procs)
-        self.cells += 1
+        """A new master and segment holder for every cell (new ports: no wait for the old ones' sockets):
+        Mooncake refuses to delete an object read in the last 10 s, so the rounds' deletes free nothing, and a
+        put into a full segment fails."""
+        if self.store is not None:
+            self.lab.stop(self.store.procs)
         self.store = self.lab.start_mooncake(self.work, port_offset=10 * self.cells)
+        self.cells += 1
 
     def tier(self, node: str) -> dict[str, Any]:
+        assert self.store is not None, "fresh() starts the store before a cell"
         return {"type": "mooncake_store", "master_server_addr": self.store.master,
                 "metadata_server": self.store.metadata, "local_hostname": self.lab.ip(node),
                 "global_segment_size": 0, "local_buffer_size": 256 * 2**20}
@@ -181,8 +184,8 @@ def measure_cell(lab: Lab, work: Path, gbit: float, shape: str, tokens: int, rep
 
 def measure(classes: tuple[float, ...], payloads: tuple[tuple[str, int], ...], reps: int, work: Path,
             log: Any = print, transports: tuple[str, ...] = ("resp",)) -> dict[str, Any]:
-    """The whole table in one lab (Redis, and an SSH server for sshfs, on the store node; links reshaped per
-    class); ``transports``: ``resp`` and/or ``sshfs``."""
+    """The whole table in one lab (the stores of ``transports`` -- names of :data:`TRANSPORTS` -- on the store
+    node; links reshaped per class)."""
     work.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
