@@ -379,6 +379,10 @@ def _point(f: float, rate_mbit: float, kv_bytes: int, l0: float, r: float, rows:
         "achieved_load_over_recompute": med["load"] / med["recompute"],
         "better": better, "auto_choices": choices, "right_choices": sum(c == better for c in choices),
         "regret": med["auto"] / min(med["load"], med["recompute"]),
+        # the first auto request after the link was reshaped, on its own: how fast the cost model followed (its
+        # forced load just before it is the only measurement of the new link it had)
+        "first_auto_choice": choices[0], "first_auto_regret": rows[0]["auto"]["seconds"] / min(med["load"],
+                                                                                                 med["recompute"]),
         "link_over_prefill_kv_rate": ratio, "gpu_equivalent_link_gbit": gpu_link_gbit,
         "all_same_as_cold": all(row[k]["same_as_cold"] for row in rows for k in row),
         "fallbacks": fallbacks([row[k] for row in rows for k in row]),

@@ -581,19 +581,20 @@ def _md_lab_choice(choice: dict[str, Any] | None, out: Path | None) -> list[str]
         f"unless marked. Run `{choice.get('run_id')}`, commit `{str(choice.get('commit', ''))[:12]}` "
         "(`python tests/lab/engines.py --full`).",
         "",
-        "| tokens | f | link | GPU link | plan load | load | recompute | auto | auto chose | regret | answers |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens | f | link | GPU link | plan load | load | recompute | auto | auto chose | regret | first auto "
+        "| answers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for sw in choice["sweeps"]:
         for p in sw["points"]:
             if "skipped" in p:
-                lines.append(f"| {sw['tokens']} | {p['factor']:g} | skipped: {p['skipped']} |||||||||")
+                lines.append(f"| {sw['tokens']} | {p['factor']:g} | skipped: {p['skipped']} ||||||||||")
                 continue
             lines.append(
                 f"| {sw['tokens']} | {p['factor']:g} | {p['rate_mbit']:.0f} Mbit/s | "
                 f"{p['gpu_equivalent_link_gbit']:.1f} Gbit/s | {p['predicted_load_s']:.2f} s | {p['load_s']:.2f} s | "
                 f"{p['recompute_s']:.2f} s | {p['auto_s']:.2f} s | {'/'.join(p['auto_choices'])} "
-                f"(better: {p['better']}) | {p['regret']:.3f} | "
+                f"(better: {p['better']}) | {p['regret']:.3f} | {_first_auto(p)} | "
                 f"{'equal' if p['all_same_as_cold'] else '**DIFFER**'} |")
     points = [p for sw in choice["sweeps"] for p in sw["points"] if "regret" in p]
     away = [p["regret"] for p in points if not 0.7 <= p["achieved_load_over_recompute"] <= 1.3]
@@ -602,9 +603,19 @@ def _md_lab_choice(choice: dict[str, Any] | None, out: Path | None) -> list[str]
         lines += ["", f"Worst regret {worst:.3f} (goal ≤ 1.1 everywhere: {'met' if worst <= 1.1 else '**MISS**'})"
                   + (f"; away from break-even (measured load/recompute outside 0.7–1.3) {max(away):.3f} (goal ≤ "
                      f"1.05: {'met' if max(away) <= 1.05 else '**MISS**'})." if away else ".")]
+    if points and "first_auto_regret" in points[0]:
+        lines += ["", "*First auto*: the first auto request after the link was reshaped, on its own (its choice and "
+                  "its time / the better option's median): the cost model had measured the new link once, by the "
+                  "forced load just before it. The regret column includes it."]
     if plot:
         lines += ["", f"![lab sweep](benchmarks/{Path(plot).name})"]
     return lines
+
+
+def _first_auto(p: dict[str, Any]) -> str:
+    if "first_auto_regret" not in p:
+        return "–"
+    return f"{p['first_auto_choice']} {p['first_auto_regret']:.2f}"
 
 
 def _plot_lab_choice(choice: dict[str, Any], out: Path) -> str | None:

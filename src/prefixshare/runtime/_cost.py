@@ -56,15 +56,18 @@ from prefixshare._paths import run_dir
 
 #: weight of the newest observation in every running estimate (EWMA factor)
 ALPHA = 0.3
-#: two lookups in a row that each took more than SHIFT_RATIO times (or less than 1/SHIFT_RATIO of) their
-#: prediction, and more than SHIFT_MIN_S away from it, say the store or its link changed (a congested or reshaped
-#: link, a store moved to another medium): the second is learnt with weight ALPHA_SHIFT instead of ALPHA, so the
-#: next decision already follows the change (with ALPHA alone: three wrong loads in a row near break-even on a link
-#: that became 20x slower, measured in tests/lab). One such lookup alone is learnt at ALPHA: a hiccup must not
-#: send a healthy store into a recompute streak.
-SHIFT_RATIO = 2.0
+#: a lookup that took more than SHIFT_RATIO times (or less than 1/SHIFT_RATIO of) its prediction, and more than
+#: SHIFT_MIN_S away from it, may say the store or its link changed (a congested or reshaped link, a store moved to
+#: another medium). It is learnt at ALPHA like any other, and the estimate it was judged against is kept aside.
+#: If the next lookup also lies that far from the *kept* estimate, on the same side, the change is confirmed: the
+#: estimate restarts from those two lookups (the old store is forgotten), so the next decision follows the change.
+#: If it does not, the first was a hiccup: the kept estimate comes back and only the second is learnt, so one slow
+#: lookup never sends a healthy store into a recompute streak. Measured in tests/lab: with a confirmed change learnt
+#: at a weight of 0.8, and judged against the moving estimate at 2x, a link reshaped from 0.8x to 1.25x the
+#: break-even rate (a 1.56x slower load) was never detected, and auto kept loading for two of three requests
+#: (regret 1.31); a 20x slower link still left the estimate 19 % short after the confirmation.
+SHIFT_RATIO = 1.3
 SHIFT_MIN_S = 0.05
-ALPHA_SHIFT = 0.8
 #: a model that chose to recompute this many times in a row, and has not measured the store for PROBE_AFTER_S,
 #: looks the store up once anyway (a probe: a store that became fast is noticed; its cost is amortized)
 PROBE_EVERY = 16
@@ -238,6 +241,23 @@ def store_key(policy: Any) -> str:
     return blake3.blake3(ident.encode()).hexdigest()[:16]
 
 
+def _off(predicted: float | None, seconds: float) -> int:
+    """+1 / -1 when ``seconds`` is far more / far less than ``predicted`` (see SHIFT_RATIO), else 0."""
+    if predicted is None or abs(seconds - predicted) <= SHIFT_MIN_S:
+        return 0
+    return 1 if seconds > SHIFT_RATIO * predicted else -1 if seconds * SHIFT_RATIO < predicted else 0
+
+
+@dataclass
+class _Suspect:
+    """A lookup far off its prediction, not yet confirmed by the next one (see SHIFT_RATIO)."""
+
+    kept: dict[str, Any]  #: the lookup estimate it was judged against (Fit.to_dict, a copy)
+    x: tuple[float, float]
+    seconds: float
+    off: int
+
+
 class CostModel:
     """Running estimates, decisions and their outcomes for one connector (scheduler side)."""
 
@@ -264,8 +284,9 @@ class CostModel:
         #: (tokens, seconds waited) of the shortest lookup that outlived load.timeout_s (see observe_timeout)
         self._timed_out: tuple[int, float] | None = None
         self._first_prefill_seen = False
-        #: +1 / -1 when the last lookup took far more / far less than predicted (see SHIFT_RATIO), else 0
-        self._off = 0
+        #: the last lookup, when it took far more / far less than predicted (see SHIFT_RATIO), with the estimate it
+        #: was judged against
+        self._suspect: _Suspect | None = None
         #: the lookup estimate before the first of a run of timed-out lookups (see outage_over)
         self._before_timeouts: dict[str, Any] | None = None
         #: when this store was last measured (a lookup observed); a model loaded from the run dir counts as
@@ -367,18 +388,35 @@ class CostModel:
             self._before_timeouts = None  # measured since: what came before the timeouts is no longer the state
         x = (1.0, hit_tokens * self.kv_bytes_per_token / _MB)
         with self._lock:
-            predicted = self.lookup.predict(x) if hit_tokens and not self._no_bytes(self.lookup) else None
-            off = 0
-            if predicted is not None and abs(seconds - predicted) > SHIFT_MIN_S:
-                off = 1 if seconds > SHIFT_RATIO * predicted else -1 if seconds * SHIFT_RATIO < predicted else 0
-            shifted = off != 0 and off == self._off
-            self._off = off
-            self.lookup.observe(x, seconds, alpha=ALPHA_SHIFT if shifted else None)
+            shift, hiccup = None, None
+            suspect, self._suspect = self._suspect, None
+            judged = bool(hit_tokens) and not self._no_bytes(self.lookup)
+            if judged and suspect is not None:
+                kept = Fit(2, ridge=self.lookup.ridge)
+                kept.load(suspect.kept)
+                baseline = kept.predict(x)
+                if _off(baseline, seconds) == suspect.off:  # confirmed: the old store is forgotten
+                    self.lookup = Fit(2, ridge=self.lookup.ridge)
+                    self.lookup.observe(suspect.x, suspect.seconds)
+                    self.lookup.observe(x, seconds, alpha=0.5)
+                    shift = (suspect.off, baseline)
+                else:  # the first was a hiccup: the estimate it was judged against comes back
+                    self.lookup = kept
+                    hiccup = suspect
+            if shift is None:
+                predicted = self.lookup.predict(x) if judged else None
+                off = _off(predicted, seconds)
+                if off:
+                    self._suspect = _Suspect(json.loads(json.dumps(self.lookup.to_dict())), x, seconds, off)
+                self.lookup.observe(x, seconds)
             self._dirty = True
-        if shifted:
+        if shift is not None:
             self.log.info("cost.store_shift", tokens=hit_tokens, seconds=round(seconds, 4),
-                          predicted_s=round(predicted or 0.0, 4), censored=censored,
-                          direction="slower" if off > 0 else "faster")
+                          predicted_s=round(shift[1] or 0.0, 4), censored=censored,
+                          direction="slower" if shift[0] > 0 else "faster")
+        if hiccup is not None:
+            self.log.info("cost.lookup_outlier_forgotten", tokens=hit_tokens, seconds=round(seconds, 4),
+                          outlier_s=round(hiccup.seconds, 4), direction="slower" if hiccup.off > 0 else "faster")
         self._changed()
 
     def observe_transfer(self, tokens: int, seconds: float) -> None:
@@ -582,7 +620,7 @@ class CostModel:
         with self._lock:
             before, self._before_timeouts = self._before_timeouts, None
             timed_out, self._timed_out = self._timed_out, None
-            self._off = 0
+            self._suspect = None
             if before is not None:
                 self.lookup = Fit(2, ridge=self.lookup.ridge)
                 self.lookup.load(before)
