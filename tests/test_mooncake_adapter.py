@@ -199,3 +199,48 @@ def test_an_unreachable_master_fails_fast_with_its_address() -> None:
         with pytest.raises(ConnectionError, match=f"127.0.0.1:{port} is not reachable"):
             mc._wait_for_master(f"127.0.0.1:{port}", timeout_s=0.5)
         assert time.monotonic() - started < 3
+
+
+def test_a_refused_delete_is_retried_once_the_lease_has_ended() -> None:
+    """The master's lease (measured in the network lab: a delete right after a load freed nothing, the same
+    delete 11 s later did): a refused delete is tried again after lease_ttl_s, and the bytes leave our usage
+    only when the object is really gone; a delete refused every time is given up after DELETE_RETRIES."""
+    import logging
+
+    import structlog
+    from structlog.testing import capture_logs
+
+    store = ScriptedStore()
+    a = mc.MooncakeStoreL2Adapter({**PARAMS, "lease_ttl_s": 0.01}, store=store)  # retried ~1 s later
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))  # the retries log INFO
+    a._lease_s = 0.2  # the +1 s margin is for a real master; here the scripted lease ends at once
+    try:
+        tid = a.submit_store_task([key(1), key(2)], [Buf(b"\x01" * 1024), Buf(b"\x02" * 1024)])
+        assert wait(a.get_store_event_fd(), a.pop_completed_store_tasks)[tid].is_successful()
+        store.remove_codes = [-706, -706]
+        with capture_logs() as logs:
+            a.delete([key(1), key(2)])
+            assert a.get_usage().total_bytes_used == 2048  # refused: still there, still counted
+            store.remove_codes = None  # the lease ends
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not any(e["event"] == "mooncake_delete_retried" for e in logs):
+                time.sleep(0.02)
+        assert a.get_usage().total_bytes_used == 0 and not store.objects
+        [retried] = [e for e in logs if e["event"] == "mooncake_delete_retried"]
+        assert retried["chunks"] == 2 and retried["freed"] == 2 and retried["abandoned"] == 0, retried
+        # refused on every try: given up after DELETE_RETRIES tries, counted still, the thread idle
+        tid = a.submit_store_task([key(3)], [Buf(b"\x03" * 1024)])
+        assert wait(a.get_store_event_fd(), a.pop_completed_store_tasks)[tid].is_successful()
+        store.remove_codes = [-706]
+        with capture_logs() as logs:
+            a.delete([key(3)])
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not any(
+                    e["event"] == "mooncake_delete_retried" and e["abandoned"] for e in logs):
+                time.sleep(0.02)
+            time.sleep(0.5)  # nothing more is tried
+        tries = [e for e in logs if e["event"] == "mooncake_delete_retried"]
+        assert len(tries) == mc.DELETE_RETRIES and tries[-1]["abandoned"] == 1, tries
+        assert a.get_usage().total_bytes_used == 1024
+    finally:
+        a.close()

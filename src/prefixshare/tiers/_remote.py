@@ -105,6 +105,9 @@ class MooncakeStoreTier(TierConfig):
     local_buffer_size: int = Field(1 * 2**30, gt=0, description="bytes of local transfer buffer")
     num_workers: int = Field(4, gt=0, description="adapter threads running Mooncake calls")
     connect_timeout_s: float = Field(10.0, gt=0, description="how long the server waits for the master at start")
+    lease_ttl_s: float = Field(10.0, gt=0, le=3600, description="the master's --default_kv_lease_ttl, in "
+                               "seconds (its default 10000 ms): an object read that recently cannot be removed, so a refused delete (eviction) is "
+                               "retried this long (+1 s) later, up to 3 times")
 
     _sizes = field_validator("global_segment_size", "local_buffer_size", mode="before")(_size)
 
@@ -155,6 +158,7 @@ class MooncakeStoreTier(TierConfig):
                 "local_buffer_size": self.local_buffer_size,
                 "num_workers": self.num_workers,
                 "connect_timeout_s": self.connect_timeout_s,
+                "lease_ttl_s": self.lease_ttl_s,
             },
         }
 

@@ -21,6 +21,10 @@ Traps handled here (and tested):
   unreachable). Only 1 is a hit; treating any non-zero value as present reports false hits.
 * ``batch_get_into`` answers the number of bytes read or a negative code; a load counts only when it read
   exactly the chunk's size.
+* The master refuses to remove an object read less than its ``default_kv_lease_ttl`` ago (10 s by default;
+  measured in the network lab: a delete right after a load freed nothing, the same delete 11 s later did). A
+  refused delete is logged and retried by one thread after ``lease_ttl_s`` (+1 s), up to ``DELETE_RETRIES``
+  times; the store's usage counts the object until it is really gone.
 """
 
 from __future__ import annotations
@@ -48,12 +52,16 @@ log = get_logger(__name__)
 
 #: Mooncake's code for a key it does not hold (nothing to delete, nothing to load)
 OBJECT_NOT_FOUND = -704
+#: Mooncake's code for a call that did not reach the master (used here too when the client raised)
+RPC_FAILED = -900
 
 #: keys Mooncake silently ignores in its setup dict, and the key it actually reads
 WRONG_MASTER_KEYS = ("master_server_address", "mooncake_master_server_addr")
 MASTER_KEY = "master_server_addr"
 #: adapter params that are ours, not Mooncake's setup keys
-_OWN_KEYS = {"num_workers", "key_prefix", "connect_timeout_s"}
+_OWN_KEYS = {"num_workers", "key_prefix", "connect_timeout_s", "lease_ttl_s"}
+#: a delete the master refused (a read lease) is tried again this many times, each lease_ttl_s + 1 s later
+DELETE_RETRIES = 3
 _SETUP_KEYS = {"local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",
                "rdma_devices", MASTER_KEY}
 
@@ -162,6 +170,11 @@ class MooncakeStoreL2Adapter(L2AdapterInterface):
         self._done: dict[str, dict[L2TaskId, Any]] = {"store": {}, "lookup": {}, "load": {}}
         self._sizes: dict[str, int] = {}  # bytes of the objects this node stored (for delete accounting)
         self._closed = False
+        #: refused deletes waiting for their lease to end: name -> (key, tries so far, when to try again)
+        self._lease_s = float(params.get("lease_ttl_s", 10.0)) + 1.0
+        self._retry: dict[str, tuple[ObjectKey, int, float]] = {}
+        self._retry_wake = threading.Event()
+        self._retry_thread: threading.Thread | None = None
 
     # --- event fds ---------------------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
@@ -273,24 +286,64 @@ class MooncakeStoreL2Adapter(L2AdapterInterface):
     def delete(self, keys: list[ObjectKey]) -> None:
         if not keys:
             return
-        names = [mooncake_key(self._prefix, k) for k in keys]
+        refused = self._remove(keys, [mooncake_key(self._prefix, k) for k in keys])
+        if refused:
+            # measured in the network lab: objects read less than the master's default_kv_lease_ttl ago (10 s by
+            # default) stay; a delete right after a load frees nothing, and a later put can find the segment full
+            log.warning("mooncake_delete_refused", chunks=len(refused), of=len(keys),
+                        codes=sorted({c for _, _, c in refused}), retry_in_s=self._lease_s,
+                        hint="an object read within the master's default_kv_lease_ttl (10 s by default) cannot be "
+                             "removed until its lease ends; the delete is retried after lease_ttl_s")
+            self._schedule([(k, n) for k, n, _ in refused], tries=1)
+
+    def _remove(self, keys: list[ObjectKey], names: list[str]) -> list[tuple[ObjectKey, str, int]]:
+        """Remove ``names`` from Mooncake, account what went; the (key, name, code) the master refused."""
         try:
             codes = self._store.batch_remove(names)
-        except Exception as exc:
+        except Exception as exc:  # the master unreachable: nothing removed, tried again later like a refusal
             log.warning("mooncake_delete_failed", error=str(exc))
-            return
+            return [(k, n, RPC_FAILED) for k, n in zip(keys, names, strict=True)]
         with self._lock:
             gone = [(k, self._sizes.pop(n)) for k, n, c in zip(keys, names, codes, strict=True)
                     if c == 0 and n in self._sizes]
         if gone:
             self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
-        refused = [c for c in codes if c not in (0, OBJECT_NOT_FOUND)]
-        if refused:
-            # measured in the network lab: objects read less than the master's default_kv_lease_ttl ago (10 s by
-            # default) stay; a delete right after a load frees nothing, and a later put can find the segment full
-            log.warning("mooncake_delete_refused", chunks=len(refused), of=len(keys), codes=sorted(set(refused)),
-                        hint="an object read within the master's default_kv_lease_ttl (10 s by default) cannot be "
-                             "removed until its lease ends; delete again later")
+        return [(k, n, c) for k, n, c in zip(keys, names, codes, strict=True) if c not in (0, OBJECT_NOT_FOUND)]
+
+    def _schedule(self, refused: list[tuple[ObjectKey, str]], tries: int) -> None:
+        due = time.monotonic() + self._lease_s
+        with self._lock:
+            if self._closed:
+                return
+            for key, name in refused:
+                self._retry[name] = (key, tries, due)
+            if self._retry_thread is None:
+                self._retry_thread = threading.Thread(target=self._retry_loop, name="ps-mooncake-delete",
+                                                      daemon=True)
+                self._retry_thread.start()
+        self._retry_wake.set()
+
+    def _retry_loop(self) -> None:
+        """Deletes the master refused, tried again once their lease has ended (one thread, bounded tries)."""
+        while not self._closed:
+            now = time.monotonic()
+            with self._lock:
+                due = [(n, k, t) for n, (k, t, at) in self._retry.items() if at <= now]
+                for name, _, _ in due:
+                    del self._retry[name]
+                wait = min((at for _, _, at in self._retry.values()), default=now + 60.0) - now
+            if due:
+                tries = {n: t for n, _, t in due}
+                refused = self._remove([k for _, k, _ in due], [n for n, _, _ in due])
+                again = [(k, n) for k, n, _ in refused if tries[n] < DELETE_RETRIES]
+                (log.warning if len(refused) > len(again) else log.info)(
+                    "mooncake_delete_retried", chunks=len(due), freed=len(due) - len(refused),
+                    refused_again=len(refused), abandoned=len(refused) - len(again))
+                for key, name in again:
+                    self._schedule([(key, name)], tries=tries[name] + 1)
+                continue
+            self._retry_wake.wait(timeout=max(0.0, wait))
+            self._retry_wake.clear()
 
     def report_status(self) -> dict[str, Any]:
         return {"is_healthy": not self._closed, "type": "MooncakeStoreL2Adapter", "master": where(self._master)}
@@ -299,7 +352,10 @@ class MooncakeStoreL2Adapter(L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
+        self._retry_wake.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._retry_thread is not None:
+            self._retry_thread.join(timeout=10.0)  # a retry in flight ends before the client closes
         closer = threading.Thread(target=self._store.close, daemon=True)  # bounded: a dead master must not hang
         closer.start()
         closer.join(timeout=10.0)
