@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml $(LOCK) requirements/sglang-cpu.txt tests/env/_torchvis
 	touch $(STAMP)
 
 test: $(STAMP) services
-	$(PY) -m pytest -ra --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=30 $(PYTEST_ARGS)
 
 # Servers the tier tests start on loopback (a real Redis for the resp/valkey tiers), and the RDMA verbs
 # library Mooncake's client links even over TCP (mooncake_store tier), nftables for the network lab's

@@ -57,6 +57,12 @@ MOONCAKE_PORTS = (50051, 8080, 9003, 17812)
 #: watermark); a fresh store per cell, as Mooncake refuses to delete an object read in the last 10 s (its read
 #: lease) and a put into a full segment fails
 MOONCAKE_SEGMENT_MB = 3072
+#: an S3 stand-in on the store node (moto's server, from the test extra): its port, the bucket, and the virtual
+#: host LMCache's S3 client asks for (``<bucket>.<host>``), resolved to the store node by a hosts file the lab
+#: binds over /etc/hosts inside each command's own mount namespace
+S3_PORT = 9000
+S3_BUCKET = "kvstore"
+S3_HOST = "s3.lab"
 
 
 class LabError(RuntimeError):
@@ -110,6 +116,15 @@ class MooncakeStore:
     master: str
     metadata: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    """A bucket of the S3 stand-in on the store node (see :meth:`Lab.start_s3`)."""
+
+    endpoint: str  #: ``bucket.host:port``, as the ``s3`` tier takes it
+    hosts: Path  #: the hosts file that resolves the endpoint's host to the store node
+    proc: subprocess.Popen[bytes] = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -337,6 +352,31 @@ class Lab:
         self.wait_port("s", holder, from_node="a")
         time.sleep(0.5)  # the segment is mounted right after the service starts listening
         return store
+
+    def start_s3(self, workdir: Path, port: int = S3_PORT) -> S3Bucket:
+        """moto's S3 server on the store node's lab address, with the bucket ``S3_BUCKET`` made (from node A,
+        through the lab); :meth:`s3_wrap` runs a command that reaches it by its virtual host."""
+        moto = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+        if not Path(moto).exists():
+            raise LabError("moto_server is not installed (pip install 'prefixshare[test]')")
+        host = self.ip("s")
+        proc = self.spawn("s", [moto, "-H", host, "-p", str(port)], log=workdir / "moto.log")
+        self.wait_port("s", port, from_node="a")
+        hosts = workdir / "hosts-s3"
+        hosts.write_text(f"127.0.0.1 localhost\n{host} {S3_HOST} {S3_BUCKET}.{S3_HOST}\n")
+        make = ("import boto3\n"
+                f"boto3.client('s3', endpoint_url='http://{host}:{port}', region_name='us-east-1', "
+                f"aws_access_key_id='lab', aws_secret_access_key='lab').create_bucket(Bucket='{S3_BUCKET}')")
+        self.in_ns(self.ns("a"), [sys.executable, "-c", make], timeout=60)
+        return S3Bucket(endpoint=f"{S3_BUCKET}.{S3_HOST}:{port}", hosts=hosts, proc=proc)
+
+    @staticmethod
+    def s3_wrap(bucket: S3Bucket, args: list[str]) -> list[str]:
+        """``args`` run inside a node with the bucket's virtual host resolvable (its hosts file bound over
+        /etc/hosts in the command's own mount namespace, as ``ip netns exec`` gives each command one) and the
+        stand-in's credentials in the environment (it takes any)."""
+        script = 'mount --bind "$1" /etc/hosts || exit 96\nshift; exec env AWS_ACCESS_KEY_ID=lab AWS_SECRET_ACCESS_KEY=lab "$@"'
+        return ["sh", "-c", script, "s3-wrap", str(bucket.hosts), *args]
 
     def stop(self, procs: list[subprocess.Popen[bytes]]) -> None:
         """End processes this lab started (their groups), before the lab goes down."""

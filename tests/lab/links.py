@@ -29,7 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from lab.lab import SSH_CIPHER, Lab, MooncakeStore  # noqa: E402
+from lab.lab import SSH_CIPHER, Lab, MooncakeStore, S3Bucket  # noqa: E402
 
 from prefixshare.plan import kv_bytes_per_token, link_from_gbps, shape_from_config  # noqa: E402
 
@@ -110,7 +110,25 @@ class MooncakeTransport(Transport):
                 "global_segment_size": 0, "local_buffer_size": 256 * 2**20}
 
 
-TRANSPORTS = {"resp": Transport, "sshfs": SshfsTransport, "mooncake": MooncakeTransport}
+class S3Transport(Transport):
+    """The ``s3`` tier (LMCache's S3 client, plain HTTP) against moto's S3 server on the store node: a stand-in
+    for an object store on the LAN (MinIO, Ceph RGW), measured for what the client and the link cost; moto is a
+    Python server, so on fast links the figures are the stand-in's, not S3's."""
+
+    name = "s3"
+
+    def __init__(self, lab: Lab, work: Path) -> None:
+        super().__init__(lab, work)
+        self.bucket: S3Bucket = lab.start_s3(work)
+
+    def tier(self, node: str) -> dict[str, Any]:
+        return {"type": "s3", "endpoint": self.bucket.endpoint, "region": "us-east-1", "disable_tls": True}
+
+    def wrap(self, node: str, args: list[str]) -> list[str]:
+        return self.lab.s3_wrap(self.bucket, args)
+
+
+TRANSPORTS = {"resp": Transport, "sshfs": SshfsTransport, "mooncake": MooncakeTransport, "s3": S3Transport}
 
 
 def _transfer(lab: Lab, node: str, spec: dict[str, Any], work: Path, timeout_s: float,
@@ -214,7 +232,9 @@ def measure(classes: tuple[float, ...], payloads: tuple[tuple[str, int], ...], r
                 "sshfs": "fs tier (blake3-checked) on the store node's directory mounted over sshfs (SFTP, "
                          f"{SSH_CIPHER}) on each node, the same links",
                 "mooncake": "mooncake_store tier: mooncake_master and one mooncake_client holding the segment on "
-                            "the store node (TCP transport), the same links"}}
+                            "the store node (TCP transport), the same links",
+                "s3": "s3 tier (LMCache's S3 client, plain HTTP) against moto's S3 server on the store node, the "
+                      "same links"}}
 
 
 def _commit() -> str:
@@ -229,13 +249,31 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="every link class and payload (make bench)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE.parents[1] / "docs" / "benchmarks" / "lab.json")
+    parser.add_argument("--transports", help=f"comma-separated, of {', '.join(TRANSPORTS)} (default: all with "
+                        "--full, else resp)")
+    parser.add_argument("--merge", action="store_true", help="keep the rows of other transports already in --out "
+                        "(each row keeps the run id and commit that measured it)")
     args = parser.parse_args()
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
     commit = _commit()
     classes = CLASSES_GBIT if args.full else (2.5,)
     payloads = PAYLOADS if args.full else (("bench", 4096), ("qwen3-8b", 1024))
+    transports = (tuple(args.transports.split(",")) if args.transports else
+                  tuple(TRANSPORTS) if args.full else ("resp",))
+    unknown = set(transports) - set(TRANSPORTS)
+    if unknown:
+        parser.error(f"unknown transports {sorted(unknown)}; known: {', '.join(TRANSPORTS)}")
     result = measure(classes, payloads, args.reps, Path("/var/tmp") / f"prefixshare-lab-{run_id}",
-                     transports=("resp", "sshfs", "mooncake") if args.full else ("resp",))
+                     transports=transports)
+    for row in result["rows"]:
+        row.update(run_id=run_id, commit=commit)
+    if args.merge and args.out.is_file():
+        old = json.loads(args.out.read_text())
+        kept = [{"run_id": old.get("run_id"), "commit": old.get("commit"), **r} for r in old.get("rows", [])
+                if r.get("transport", "resp") not in transports]
+        result["rows"] = kept + result["rows"]
+        result["transports"] = {**old.get("transports", {}), **result["transports"]}
+        result["seconds"] = round(result["seconds"] + float(old.get("seconds", 0.0)), 1)
     result.update(run_id=run_id, commit=commit, kind="full" if args.full else "subset")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"lab {run_id}: {len(result['rows'])} cells in {result['seconds']} s -> {args.out}")

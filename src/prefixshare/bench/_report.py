@@ -537,11 +537,11 @@ def _md_lab(lab: dict[str, Any] | None) -> list[str]:
         f"`tbf` to the class's rate. Node A stores one request's KV ({lab['chunk_tokens']}-token chunks) through "
         "a tier's adapter — `resp`: Redis on the store node; `sshfs`: the `fs` tier (blake3-checked) on the store "
         "node's directory mounted over sshfs on each node; `mooncake`: `mooncake_store`, master and the "
-        "segment-holding client on the store node (TCP) — and node B, another process with no memory of the "
+        "segment-holding client on the store node (TCP); `s3`: the `s3` tier against an S3 stand-in (moto's "
+        "server, plain HTTP) on the store node — and node B, another process with no memory of the "
         "store, looks it up, loads it and compares every byte. *Rated*: `prefixshare plan`'s time for the same "
         "bytes on the class's line rate (a lower bound: no row may beat it). Medians of "
-        f"{lab['reps']}; run `{lab.get('run_id')}`, commit `{str(lab.get('commit', ''))[:12]}` "
-        "(`python tests/lab/links.py --full`).",
+        f"{lab['reps']}; {_lab_runs(lab)} (`python tests/lab/links.py --full`).",
         "",
         "| link | via | payload | tokens | MB | rated | store A→S | load S→B | load / rated | store / rated | lookup | "
         "wire / payload |",
@@ -557,6 +557,21 @@ def _md_lab(lab: dict[str, Any] | None) -> list[str]:
             f"{r['rated_s']:.3f} s | {r['store_s']:.3f} s | {r['load_s']:.3f} s | {r['load_over_rated']:.2f}× | "
             f"{r['store_over_rated']:.2f}× | {r['lookup_s'] * 1e3:.1f} ms | {r['wire_over_payload']:.3f}× |")
     return lines
+
+
+def _lab_runs(lab: dict[str, Any]) -> str:
+    """Which run (and commit) measured the rows: one, or one per transport when a run added a transport."""
+    runs: dict[tuple[str, str], list[str]] = {}
+    for r in lab["rows"]:
+        key = (str(r.get("run_id", lab.get("run_id"))), str(r.get("commit", lab.get("commit", ""))))
+        via = r.get("transport", "resp")
+        if via not in runs.setdefault(key, []):
+            runs[key].append(via)
+    if len(runs) == 1:
+        (run_id, commit), = runs
+        return f"run `{run_id}`, commit `{commit[:12]}`"
+    return "; ".join(f"{', '.join(vias)}: run `{run_id}`, commit `{commit[:12]}`"
+                     for (run_id, commit), vias in runs.items())
 
 
 def _md_lab_choice(choice: dict[str, Any] | None, out: Path | None) -> list[str]:
