@@ -14,6 +14,7 @@ from prefixshare.runtime._cost import (
     FIRST_LOAD_LATENCY_S,
     FIRST_LOAD_MIN_S,
     PROBE_AFTER_S,
+    CENSORED_PROBE_S,
     PROBE_EVERY,
     CostModel,
     Fit,
@@ -300,6 +301,52 @@ def test_a_timed_out_length_is_recomputed_whatever_the_fits_say_until_a_hit_that
     assert m.decide_before_lookup("r5", 2048, 0, 2048).decision == "recompute"
     m.observe_lookup(2048, 0.05)  # a hit that long in time: the store is not that slow (any more)
     assert "outlived" not in m.decide_before_lookup("r6", 2048, 0, 2048).reason
+
+
+def test_an_abandoned_lookup_is_probed_again_soon_with_backoff_and_a_hit_ends_it() -> None:
+    # measured in tests/lab: B's link to an sshfs store cut, the lookup abandoned at the deadline (a lower bound
+    # of ~3 s against a 1.5 s recompute), the link healed -- and 10 requests over 16 s recomputed, since a cut
+    # over FUSE is seen by no health probe and the streak rule waits PROBE_AFTER_S
+    m = _model()
+    _calibrate(m, prefill_a=1.8e-3, prefill_b=0.0, lookup_gbps=0.3, transfer_gbps=5.0)
+    recompute = m.prefill_s(0, 1024)
+    d = m.decide_before_lookup("r0", 1024, 0, 1024)
+    assert d.decision == "load"
+    m.decide_deadline("r0", 1024, 0, 3 * recompute)  # abandoned unanswered: a lower bound (learnt as such)
+    assert m.decide_before_lookup("r1", 1024, 0, 1024).decision == "recompute"
+    m._store_seen -= CENSORED_PROBE_S - 1
+    assert m.decide_before_lookup("r2", 1024, 0, 1024).decision == "recompute"  # not yet
+    m._store_seen -= 1
+    d = m.decide_before_lookup("r3", 1024, 0, 1024)
+    assert d.decision == "load" and d.reason.startswith("probe: the last lookup was abandoned"), d
+    m.decide_deadline("r3", 1024, 0, 3 * recompute)  # still cut: the next probe waits twice as long
+    m._store_seen -= CENSORED_PROBE_S
+    assert m.decide_before_lookup("r4", 1024, 0, 1024).decision == "recompute"
+    m._store_seen -= CENSORED_PROBE_S
+    assert m.decide_before_lookup("r5", 1024, 0, 1024).decision == "load"
+    # healed: the probe's lookup answers as fast as before the cut. Two abandoned lookups in a row had confirmed a
+    # slow store, so one fast lookup is a suspect: the next request confirms it, and the loads resume
+    fast = 0.005 + 1024 * KVB / 0.3e9
+    m.observe_lookup(1024, fast)
+    assert m._censored_wait is None
+    d = m.decide_before_lookup("r6", 1024, 0, 1024)
+    assert d.decision == "load" and "confirms" in d.reason, d
+    m.observe_lookup(1024, fast)
+    d = m.decide_before_lookup("r7", 1024, 0, 1024)
+    assert d.decision == "load" and d.reason == "load predicted faster", d
+    # one abandoned lookup (a short cut): the estimate is raised to that lower bound, not averaged below it, so
+    # the requests during the cut recompute; the probe 30 s later answers as before and the cut is forgotten
+    c = _model()
+    _calibrate(c, prefill_a=1.8e-3, prefill_b=0.0, lookup_gbps=0.3, transfer_gbps=5.0)
+    assert c.decide_before_lookup("c0", 1024, 0, 1024).decision == "load"
+    c.decide_deadline("c0", 1024, 0, 2.1 * recompute)
+    assert c.lookup_s(1024) >= 2.1 * recompute * 0.99
+    assert c.decide_before_lookup("c1", 1024, 0, 1024).decision == "recompute"
+    c._store_seen -= CENSORED_PROBE_S
+    assert c.decide_before_lookup("c2", 1024, 0, 1024).decision == "load"
+    c.observe_lookup(1024, fast)
+    assert c.lookup_s(1024) == pytest.approx(fast, rel=0.05)
+    assert c.decide_before_lookup("c3", 1024, 0, 1024).reason == "load predicted faster"
 
 
 def test_a_timed_out_length_is_probed_like_any_recompute_streak() -> None:

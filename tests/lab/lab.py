@@ -320,7 +320,7 @@ class Lab:
         only, and vanishes with them); unmounted when ``args`` end; exit 97 if the mount failed."""
         opts = ",".join([f"IdentityFile={export.key}", "StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null",
                          "BatchMode=yes", "LogLevel=ERROR", f"Ciphers={SSH_CIPHER}", f"max_conns={SSHFS_CONNS}",
-                         "ServerAliveInterval=5", "ServerAliveCountMax=3"])
+                         "ServerAliveInterval=5", "ServerAliveCountMax=3", "reconnect"])
         script = ('mkdir -p "$1" && sshfs -p "$2" -o "$3" "$4" "$1" || exit 97\n'
                   'mnt=$1; shift 4; "$@"; rc=$?; fusermount3 -u "$mnt" 2>/dev/null; exit $rc')
         return ["sh", "-c", script, "sshfs-wrap", str(mountpoint), str(export.port), opts,

@@ -72,6 +72,11 @@ SHIFT_MIN_S = 0.05
 #: looks the store up once anyway (a probe: a store that became fast is noticed; its cost is amortized)
 PROBE_EVERY = 16
 PROBE_AFTER_S = 300.0
+#: ... but while the store's estimate rests on a lookup abandoned unanswered (a deadline or load.timeout_s: only a
+#: lower bound), the probe comes CENSORED_PROBE_S after that lookup whatever the streak, the wait doubling while
+#: probes are abandoned too (up to PROBE_AFTER_S): a link cut and healed looks like a slow store until measured
+#: (measured in tests/lab: over sshfs, whose cut no health probe sees, hits had not resumed 16 s after the heal)
+CENSORED_PROBE_S = 30.0
 #: a pending lookup is abandoned (recompute) after this many times the predicted recompute (mode auto)
 DEADLINE_FACTOR = 2.0
 #: a store never measured with bytes (no hit observed yet) is assumed this slow for a first load's deadline:
@@ -292,6 +297,9 @@ class CostModel:
         #: when this store was last measured (a lookup observed); a model loaded from the run dir counts as
         #: measured now
         self._store_seen = time.monotonic()
+        #: how long after the last lookup the next probe comes while the estimate rests on an abandoned lookup
+        #: (see CENSORED_PROBE_S); None: the store's speed was measured
+        self._censored_wait: float | None = None
         self._lock = threading.Lock()
         self._last_save = 0.0
         self._dirty = False
@@ -381,6 +389,11 @@ class CostModel:
         """A lookup that returned ``hit_tokens`` in ``seconds`` (``censored``: it was abandoned after that long,
         the true time is longer)."""
         self._store_seen = time.monotonic()
+        if censored:
+            wait = self._censored_wait
+            self._censored_wait = CENSORED_PROBE_S if wait is None else min(PROBE_AFTER_S, 2 * wait)
+        elif hit_tokens:
+            self._censored_wait = None  # measured: the estimate no longer rests on a lower bound
         timed_out = self._timed_out
         if not censored and timed_out is not None and hit_tokens >= timed_out[0]:
             self._timed_out = None  # a hit that long came back in time: the store is not (or no longer) that slow
@@ -408,7 +421,10 @@ class CostModel:
                 off = _off(predicted, seconds)
                 if off:
                     self._suspect = _Suspect(json.loads(json.dumps(self.lookup.to_dict())), x, seconds, off)
-                self.lookup.observe(x, seconds)
+                # an abandoned lookup is a lower bound: the estimate is raised to it, not averaged below it (the
+                # next decisions recompute until a probe; a probe answered as before forgets it, see SHIFT_RATIO)
+                self.lookup.observe(x, seconds, alpha=1.0 if censored and predicted is not None and seconds > predicted
+                                    else None)
             self._dirty = True
         if shift is not None:
             self.log.info("cost.store_shift", tokens=hit_tokens, seconds=round(seconds, 4),
@@ -492,7 +508,8 @@ class CostModel:
             choice, reason = "load", "mode always"
         elif mode == "never":
             choice, reason = "recompute", "mode never"
-        elif (timed_out := self._timed_out_for(lookup_tokens)) is not None and not self._probe_due():
+        elif ((timed_out := self._timed_out_for(lookup_tokens)) is not None
+              and self._probe_reason(confirm=False) is None):
             # a lookup this long already outlived load.timeout_s: another would wait it out, then recompute
             # (whatever the fits say: they may still be uncalibrated, or a noisy prefill may have moved them)
             load = max(load or 0.0, timed_out[1] + (recompute or 0.0))
@@ -502,9 +519,8 @@ class CostModel:
             choice, reason = "load", "uncalibrated: load and measure"
         elif load < recompute:  # type: ignore[operator]
             choice, reason = "load", "load predicted faster"
-        elif self._probe_due():
-            choice, reason = "load", (f"probe: after {PROBE_EVERY} recomputes and {PROBE_AFTER_S:g} s without a "
-                                      "measurement, the store is looked up once")
+        elif (probe := self._probe_reason()) is not None:
+            choice, reason = "load", probe
         else:
             choice, reason = "recompute", "recompute predicted faster"
         d = LoadDecision(request_id, "before_lookup", choice, reason, mode, prompt_tokens, local_tokens,
@@ -621,6 +637,7 @@ class CostModel:
             before, self._before_timeouts = self._before_timeouts, None
             timed_out, self._timed_out = self._timed_out, None
             self._suspect = None
+            self._censored_wait = None
             if before is not None:
                 self.lookup = Fit(2, ridge=self.lookup.ridge)
                 self.lookup.load(before)
@@ -628,8 +645,23 @@ class CostModel:
         self.log.info("cost.outage_forgotten", timed_out=timed_out, restored=before is not None)
         self._changed()
 
-    def _probe_due(self) -> bool:
-        return self._recompute_streak + 1 >= PROBE_EVERY and time.monotonic() - self._store_seen >= PROBE_AFTER_S
+    def _probe_reason(self, confirm: bool = True) -> str | None:
+        """Why the store is looked up now although recomputing is predicted faster (None: no probe is due).
+        ``confirm``: a far-faster lookup waiting for its confirmation counts (not for a length that outlived
+        load.timeout_s: a shorter hit in time says nothing about it)."""
+        suspect = self._suspect
+        if confirm and suspect is not None and suspect.off < 0:
+            # a lookup far faster than predicted is confirmed or forgotten by the next one (SHIFT_RATIO): without
+            # this, an estimate still slow would recompute, and the store that got fast would not be measured again
+            return "probe: the last lookup was far faster than predicted, the next one confirms it"
+        since = time.monotonic() - self._store_seen
+        if self._censored_wait is not None:
+            return (f"probe: the last lookup was abandoned unanswered {since:.0f} s ago, the store is looked up once"
+                    if since >= self._censored_wait else None)
+        if self._recompute_streak + 1 >= PROBE_EVERY and since >= PROBE_AFTER_S:
+            return (f"probe: after {PROBE_EVERY} recomputes and {PROBE_AFTER_S:g} s without a measurement, the store "
+                    "is looked up once")
+        return None
 
     def _timed_out_for(self, lookup_tokens: int) -> tuple[int, float] | None:
         """(tokens, seconds waited) of the timed-out lookup that covers a lookup of ``lookup_tokens`` (one at
