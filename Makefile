@@ -71,6 +71,7 @@ bench: $(STAMP) services
 	$(PY) tests/load/fleet.py --full
 	$(PY) tests/lab/engines.py --full
 	$(PY) tests/lab/links.py --full
+	$(PY) tests/lab/sshfs_faults.py
 
 # The soak: the fleet's workload at a steady rate for 30 minutes, every process's memory and file descriptors,
 # /dev/shm and the store sampled each minute (docs/benchmarks/soak.json and soak.png).

@@ -582,3 +582,46 @@ def test_health_gate_resumes_on_the_first_request_and_never_blocks_on_a_hung_pro
         time.sleep(0.01)
     assert rt.store_available()  # the hung probe answered in the end: recovered without another request's wait
     rt.close()
+
+
+def test_a_stalled_lookup_learns_within_a_probe_that_the_store_does_not_answer(
+    tmp_path: Path, policy: Policy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup pending past STALL_PROBE_AFTER_S asks store_unreachable each engine step: the first call starts a
+    probe in a thread and answers None (the step goes on); once the probe has found the store not answering, the
+    lookup's next call gets the reason (measured in tests/lab: a link cut in the middle of a load otherwise waits
+    out load.timeout_s). A probe that started before the lookup says nothing about it; one that found the store
+    answering lets the wait go on."""
+    import time
+
+    rt = _scheduler(tmp_path, policy, "stall")
+    monkeypatch.setattr(rt, "PROBE_INTERVAL_S", 0.05)
+    answer: list[str | None] = ["tier resp:10.0.0.3:6379: does not answer PING (timed out)"]
+    calls: list[float] = []
+
+    def probe(timeout_s: float = 0.25) -> str | None:
+        calls.append(timeout_s)
+        time.sleep(0.05)
+        return answer[0]
+
+    monkeypatch.setattr(rt, "probe", probe)
+    started = time.monotonic()
+    assert rt.store_unreachable(started) is None  # started a probe, did not wait for it
+    deadline = time.monotonic() + 2.0
+    reason = None
+    while reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        reason = rt.store_unreachable(started)
+    assert reason is not None and "PING" in reason
+    assert calls == [rt.STALL_PROBE_TIMEOUT_S]  # one probe, with the stall probe's longer timeout
+    assert rt.store_unreachable(time.monotonic()) is None  # a later lookup: that probe predates it
+    answer[0] = None  # the store answers again
+    time.sleep(0.06)
+    later = time.monotonic()
+    deadline = later + 2.0
+    while len(calls) < 2 and time.monotonic() < deadline:
+        assert rt.store_unreachable(later) is None
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert rt.store_unreachable(later) is None  # answered: the wait goes on
+    rt.close()

@@ -162,6 +162,10 @@ class ConnectorRuntime(StatsPublisher):
         #: a probe thread is running; the store being down is an outage (a probe found it not answering)
         self._probing = False
         self._outage = False
+        #: (when it started, why the store did not answer) of the last stalled-lookup probe; one running
+        self._stall: tuple[float, str | None] | None = None
+        self._stall_running = False
+        self._stall_started = 0.0
         if role == "scheduler":
             self._check_store()
         self._start_publishing()
@@ -227,17 +231,46 @@ class ConnectorRuntime(StatsPublisher):
             self._probing = False
             done.set()
 
-    def probe(self) -> str | None:
+    #: a lookup pending this long has the store probed (off the request path, at most one probe a second): a store
+    #: that does not answer -- a partition in the middle of a load -- ends the wait then, not at load.timeout_s
+    STALL_PROBE_AFTER_S = 1.0
+    #: ... with this timeout per check: longer than the health gate's, since the link may be busy with the load's
+    #: own bytes (a shaped link queues a PING behind them: up to 0.2 s in the lab), and a cut link never answers
+    STALL_PROBE_TIMEOUT_S = 1.0
+
+    def store_unreachable(self, since: float) -> str | None:
+        """Why the store does not answer, found by a probe started at or after ``since`` (a lookup's start), or
+        None (it answers, or no such probe has finished: one is started, and the caller asks again next step)."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._stall
+            if not self._stall_running and now - self._stall_started >= self.PROBE_INTERVAL_S and (
+                    last is None or last[0] < since or last[1] is None):
+                self._stall_running, self._stall_started = True, now
+                threading.Thread(target=self._probe_stall, args=(now,), name="prefixshare-stall-probe",
+                                 daemon=True).start()
+        return last[1] if last is not None and last[0] >= since else None
+
+    def _probe_stall(self, started: float) -> None:
+        try:
+            reason = self.probe(self.STALL_PROBE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a probe that fails says nothing about the store
+            self.log.warning("store.stall_probe_failed", error=str(exc))
+            reason = None
+        with self._lock:
+            self._stall, self._stall_running = (started, reason), False
+
+    def probe(self, timeout_s: float = 0.25) -> str | None:
         """None when the server and every L2 tier answer, else why not (cheap; no retries)."""
         try:
             import httpx
 
-            if httpx.get(self.policy.server.http_url + "/healthcheck", timeout=0.25).status_code != 200:
+            if httpx.get(self.policy.server.http_url + "/healthcheck", timeout=timeout_s).status_code != 200:
                 return f"the LMCache server at {self.policy.server.http_url} is not healthy"
         except Exception as exc:  # noqa: BLE001 - any failure means: down
             return f"the LMCache server at {self.policy.server.http_url} does not answer ({exc})"
         for tier in self.policy.l2:
-            reason = tier.probe()
+            reason = tier.probe(timeout_s)
             if reason is not None:
                 return f"tier {tier.describe()}: {reason}"
         return None

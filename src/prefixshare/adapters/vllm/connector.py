@@ -351,13 +351,21 @@ class SchedulerSide:
             deadline = self.deadlines[rid]
         else:
             deadline = self.deadlines[rid] = self.cost_deadline(request, num_computed_tokens)
-        if waited <= self.lookup_timeout_s and (deadline is None or waited <= deadline):
+        unreachable = (self.runtime.store_unreachable(started)
+                       if waited > self.runtime.STALL_PROBE_AFTER_S else None)
+        if (unreachable is None and waited <= self.lookup_timeout_s
+                and (deadline is None or waited <= deadline)):
             return False
         self.lmcache.cleanup_lookup_result(request.request_id)
         self.abandoned.add(request.request_id)
         tracker.lookup_started_at = None
         tracker.state = _BYPASS
-        if waited > self.lookup_timeout_s:
+        if unreachable is not None:
+            # a partition in the middle of the load: not a slow store (nothing learnt), and nothing stored into it
+            tracker.max_offload_tokens = 0
+            self.runtime.mark_down(f"a lookup pending {waited:.2f} s: {unreachable}")
+            self.runtime.fallback(info, "store_down")
+        elif waited > self.lookup_timeout_s:
             # a server too slow to answer a lookup would stall the engine step that stores: don't store
             tracker.max_offload_tokens = 0
             if self.runtime.cost is not None:
