@@ -614,6 +614,12 @@ def test_a_stalled_lookup_learns_within_a_probe_that_the_store_does_not_answer(
         reason = rt.store_unreachable(started)
     assert reason is not None and "PING" in reason
     assert calls == [rt.STALL_PROBE_TIMEOUT_S]  # one probe, with the stall probe's longer timeout
+    rt.mark_down("a lookup pending 1.20 s", found=reason)  # what the connector does with the reason
+    deadline = time.monotonic() + 2.0
+    while rt._probing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rt._outage and len(calls) == 1  # an outage at once: the dead store is not probed again to say so
+    rt._down_since, rt._outage = None, False  # up again, for what follows
     assert rt.store_unreachable(time.monotonic()) is None  # a later lookup: that probe predates it
     answer[0] = None  # the store answers again
     time.sleep(0.06)

@@ -182,6 +182,13 @@ class Fit:
     def to_dict(self) -> dict[str, Any]:
         return {"n": self.n, "xx": self.xx, "xy": self.xy, "w": self.w}
 
+    def copy(self) -> Fit:
+        """An independent copy (observe() mutates the sums in place): an estimate kept aside to come back to."""
+        other = Fit(self.dim, alpha=self.alpha, ridge=self.ridge)
+        other.xx, other.xy = [row[:] for row in self.xx], self.xy[:]
+        other.n, other.w = self.n, None if self.w is None else self.w[:]
+        return other
+
     def load(self, data: dict[str, Any]) -> None:
         try:
             xx, xy = data["xx"], data["xy"]
@@ -257,7 +264,7 @@ def _off(predicted: float | None, seconds: float) -> int:
 class _Suspect:
     """A lookup far off its prediction, not yet confirmed by the next one (see SHIFT_RATIO)."""
 
-    kept: dict[str, Any]  #: the lookup estimate it was judged against (Fit.to_dict, a copy)
+    kept: Fit  #: the lookup estimate it was judged against (a copy)
     x: tuple[float, float]
     seconds: float
     off: int
@@ -293,7 +300,7 @@ class CostModel:
         #: was judged against
         self._suspect: _Suspect | None = None
         #: the lookup estimate before the first of a run of timed-out lookups (see outage_over)
-        self._before_timeouts: dict[str, Any] | None = None
+        self._before_timeouts: Fit | None = None
         #: when this store was last measured (a lookup observed); a model loaded from the run dir counts as
         #: measured now
         self._store_seen = time.monotonic()
@@ -405,22 +412,20 @@ class CostModel:
             suspect, self._suspect = self._suspect, None
             judged = bool(hit_tokens) and not self._no_bytes(self.lookup)
             if judged and suspect is not None:
-                kept = Fit(2, ridge=self.lookup.ridge)
-                kept.load(suspect.kept)
-                baseline = kept.predict(x)
+                baseline = suspect.kept.predict(x)
                 if _off(baseline, seconds) == suspect.off:  # confirmed: the old store is forgotten
                     self.lookup = Fit(2, ridge=self.lookup.ridge)
                     self.lookup.observe(suspect.x, suspect.seconds)
                     self.lookup.observe(x, seconds, alpha=0.5)
                     shift = (suspect.off, baseline)
                 else:  # the first was a hiccup: the estimate it was judged against comes back
-                    self.lookup = kept
+                    self.lookup = suspect.kept
                     hiccup = suspect
             if shift is None:
                 predicted = self.lookup.predict(x) if judged else None
                 off = _off(predicted, seconds)
                 if off:
-                    self._suspect = _Suspect(json.loads(json.dumps(self.lookup.to_dict())), x, seconds, off)
+                    self._suspect = _Suspect(self.lookup.copy(), x, seconds, off)
                 # an abandoned lookup is a lower bound: the estimate is raised to it, not averaged below it (the
                 # next decisions recompute until a probe; a probe answered as before forgets it, see SHIFT_RATIO)
                 self.lookup.observe(x, seconds, alpha=1.0 if censored and predicted is not None and seconds > predicted
@@ -617,7 +622,7 @@ class CostModel:
         learnt = max(waited_s, DEADLINE_FACTOR * recompute) if recompute is not None else waited_s
         with self._lock:
             if self._before_timeouts is None:
-                self._before_timeouts = json.loads(json.dumps(self.lookup.to_dict()))  # a copy: observe() mutates
+                self._before_timeouts = self.lookup.copy()
         self.observe_lookup(lookup_tokens, learnt, censored=True)
         timed_out = self._timed_out
         if timed_out is None or lookup_tokens <= timed_out[0]:
@@ -639,8 +644,7 @@ class CostModel:
             self._suspect = None
             self._censored_wait = None
             if before is not None:
-                self.lookup = Fit(2, ridge=self.lookup.ridge)
-                self.lookup.load(before)
+                self.lookup = before
             self._dirty = True
         self.log.info("cost.outage_forgotten", timed_out=timed_out, restored=before is not None)
         self._changed()

@@ -275,19 +275,23 @@ class ConnectorRuntime(StatsPublisher):
                 return f"tier {tier.describe()}: {reason}"
         return None
 
-    def mark_down(self, reason: str) -> None:
+    def mark_down(self, reason: str, found: str | None = None) -> None:
+        """Skip the store until it answers again. ``found``: why a probe just found it not answering (then the
+        window is an outage at once, and the store is not probed again to say so)."""
         if self._down_since is None:
             self._down_since = time.monotonic()
             self._next_probe = self._down_since + self.PROBE_INTERVAL_S
             self._probing = True
-            threading.Thread(target=self._probe_marked, args=(reason,), name="prefixshare-probe",
+            threading.Thread(target=self._probe_marked, args=(reason, found), name="prefixshare-probe",
                              daemon=True).start()
 
-    def _probe_marked(self, reason: str) -> None:
-        """Why the store was just marked down, probed off the request path: when the server or a tier does not
-        answer, the window is an outage (see :meth:`CostModel.outage_over`); when both answer, a slow store."""
+    def _probe_marked(self, reason: str, found: str | None = None) -> None:
+        """Why the store was just marked down, probed off the request path (unless a probe already ``found`` it
+        not answering): when the server or a tier does not answer, the window is an outage (see
+        :meth:`CostModel.outage_over`); when both answer, a slow store."""
         try:
-            found = self.probe()
+            if found is None:
+                found = self.probe()
             self._outage = found is not None
             self.log.warning("store.down", reason=reason, probe=found, outage=self._outage,
                              action="skip the store until the server and its tiers answer again")

@@ -106,8 +106,8 @@ class MooncakeStoreTier(TierConfig):
     num_workers: int = Field(4, gt=0, description="adapter threads running Mooncake calls")
     connect_timeout_s: float = Field(10.0, gt=0, description="how long the server waits for the master at start")
     lease_ttl_s: float = Field(10.0, gt=0, le=3600, description="the master's --default_kv_lease_ttl, in "
-                               "seconds (its default 10000 ms): an object read that recently cannot be removed, so a refused delete (eviction) is "
-                               "retried this long (+1 s) later, up to 3 times")
+                               "seconds (its default 10000 ms): an object read that recently cannot be removed, so "
+                               "a refused delete (eviction) is retried this long (+1 s) later, up to 3 times")
 
     _sizes = field_validator("global_segment_size", "local_buffer_size", mode="before")(_size)
 

@@ -363,7 +363,7 @@ class SchedulerSide:
         if unreachable is not None:
             # a partition in the middle of the load: not a slow store (nothing learnt), and nothing stored into it
             tracker.max_offload_tokens = 0
-            self.runtime.mark_down(f"a lookup pending {waited:.2f} s: {unreachable}")
+            self.runtime.mark_down(f"a lookup pending {waited:.2f} s", found=unreachable)
             self.runtime.fallback(info, "store_down")
         elif waited > self.lookup_timeout_s:
             # a server too slow to answer a lookup would stall the engine step that stores: don't store
