@@ -29,7 +29,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from lab.lab import Lab, SshExport  # noqa: E402
+from lab.lab import Lab, SshExport, commit  # noqa: E402
 
 from prefixshare.bench._procs import ReplicaSession  # noqa: E402
 from prefixshare.keys import REQ_LOAD, REQ_STORE  # noqa: E402
@@ -392,13 +391,6 @@ def _point(f: float, rate_mbit: float, kv_bytes: int, l0: float, r: float, rows:
     }
 
 
-def _commit() -> str:
-    proc = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return proc.stdout.strip() + ("-dirty" if dirty else "")
-
-
 FULL_LENGTHS = (1024, 4096)
 FULL_FACTORS = (0.25, 0.5, 0.8, 1.25, 2.0, 4.0)
 
@@ -419,7 +411,7 @@ def main() -> None:
     started = time.monotonic()
     with EngineLab(work, model, max_tokens=max(lengths) + 1, timeout_s=600.0, log=print) as el:
         sweeps = [el.sweep(n, factors, args.runs, kv_bytes_per_token("bench", 4)) for n in lengths]
-    result = {"kind": "full" if args.full else "subset", "run_id": run_id, "commit": _commit(),
+    result = {"kind": "full" if args.full else "subset", "run_id": run_id, "commit": commit(),
               "seconds": round(time.monotonic() - started, 1), "model": "bench (float32 KV, 24,576 B/token)",
               "transport": "resp tier (Redis on the store node); node B's link shaped with tbf",
               "gpu_assumption": f"Qwen3-8B ({GPU_KV_BYTES_PER_TOKEN:,} B/token) prefilled at "

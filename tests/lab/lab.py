@@ -137,6 +137,15 @@ class SshExport:
     key: Path
 
 
+def commit() -> str:
+    """The commit a lab run measured (``-dirty`` when tracked files had changes), for its results rows."""
+    here = str(Path(__file__).resolve().parent)
+    proc = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return proc.stdout.strip() + ("-dirty" if dirty else "")
+
+
 def _namespaces() -> list[str]:
     out = _run(["ip", "netns", "list"], check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]

@@ -29,7 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from lab.lab import SSH_CIPHER, Lab, MooncakeStore, S3Bucket  # noqa: E402
+from lab.lab import SSH_CIPHER, Lab, MooncakeStore, S3Bucket, commit  # noqa: E402
 
 from prefixshare.plan import kv_bytes_per_token, link_from_gbps, shape_from_config  # noqa: E402
 
@@ -237,13 +237,6 @@ def measure(classes: tuple[float, ...], payloads: tuple[tuple[str, int], ...], r
                       "same links"}}
 
 
-def _commit() -> str:
-    proc = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return proc.stdout.strip() + ("-dirty" if dirty else "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="every link class and payload (make bench)")
@@ -255,7 +248,7 @@ def main() -> None:
                         "(each row keeps the run id and commit that measured it)")
     args = parser.parse_args()
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
-    commit = _commit()
+    rev = commit()
     classes = CLASSES_GBIT if args.full else (2.5,)
     payloads = PAYLOADS if args.full else (("bench", 4096), ("qwen3-8b", 1024))
     transports = (tuple(args.transports.split(",")) if args.transports else
@@ -266,7 +259,7 @@ def main() -> None:
     result = measure(classes, payloads, args.reps, Path("/var/tmp") / f"prefixshare-lab-{run_id}",
                      transports=transports)
     for row in result["rows"]:
-        row.update(run_id=run_id, commit=commit)
+        row.update(run_id=run_id, commit=rev)
     if args.merge and args.out.is_file():
         old = json.loads(args.out.read_text())
         kept = [{"run_id": old.get("run_id"), "commit": old.get("commit"), **r} for r in old.get("rows", [])
@@ -274,7 +267,7 @@ def main() -> None:
         result["rows"] = kept + result["rows"]
         result["transports"] = {**old.get("transports", {}), **result["transports"]}
         result["seconds"] = round(result["seconds"] + float(old.get("seconds", 0.0)), 1)
-    result.update(run_id=run_id, commit=commit, kind="full" if args.full else "subset")
+    result.update(run_id=run_id, commit=rev, kind="full" if args.full else "subset")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"lab {run_id}: {len(result['rows'])} cells in {result['seconds']} s -> {args.out}")
     bench = args.out.parent / "results.json"

@@ -25,7 +25,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from lab.engines import EngineLab, _commit  # noqa: E402
+from lab.engines import EngineLab  # noqa: E402
+from lab.lab import commit  # noqa: E402
 
 TOKENS = 1024
 TIMEOUT_S = 5.0
@@ -87,7 +88,7 @@ def main() -> None:
         result = run(work)
     finally:
         shutil.rmtree(work / "model", ignore_errors=True)
-    result.update(run_id=run_id, commit=_commit(), seconds=round(time.monotonic() - started, 1))
+    result.update(run_id=run_id, commit=commit(), seconds=round(time.monotonic() - started, 1))
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
     for r in result["rows"]:
