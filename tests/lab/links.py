@@ -266,7 +266,8 @@ def main() -> None:
                 if r.get("transport", "resp") not in transports]
         result["rows"] = kept + result["rows"]
         result["transports"] = {**old.get("transports", {}), **result["transports"]}
-        result["seconds"] = round(result["seconds"] + float(old.get("seconds", 0.0)), 1)
+        # seconds stay this run's own; the runs whose rows were kept are named beside them
+        result["merged"] = [*old.get("merged", []), {k: old.get(k) for k in ("run_id", "commit", "seconds")}]
     result.update(run_id=run_id, commit=rev, kind="full" if args.full else "subset")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"lab {run_id}: {len(result['rows'])} cells in {result['seconds']} s -> {args.out}")
