@@ -89,6 +89,34 @@ def test_a_request_round_trips_through_the_pool_and_leaves_only_whole_chunks(tmp
         a.close()
 
 
+def test_a_chunk_written_slice_by_slice_and_in_short_writes_has_the_whole_chunks_digest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer hashes and writes a chunk a slice at a time (the last one shorter) and finishes writes the
+    kernel cut short: the file is the payload and the trailer of the whole payload, byte for byte."""
+    from prefixshare.server.plugins import fs
+
+    monkeypatch.setattr(fs, "WRITE_SLICE_BYTES", 100_000)  # a 256 KiB chunk: two whole slices and a remainder
+    real_write, calls = os.write, []
+
+    def short_write(fd: int, data: Any) -> int:
+        calls.append(len(data))
+        return real_write(fd, memoryview(data)[:30_000])  # never more than 30 kB at a time
+
+    monkeypatch.setattr(fs.os, "write", short_write)
+    a = adapter(tmp_path, io_threads=2)
+    try:
+        ks, data = keys(3, seed=7), payloads(3, seed=7)
+        assert store(a, ks, data) == 3 * CHUNK
+    finally:
+        a.close()
+    monkeypatch.setattr(fs.os, "write", real_write)
+    assert max(calls) <= 100_000 and len(calls) > 3 * 9  # sliced, and every slice finished in short writes
+    for k, payload in zip(ks, data, strict=True):
+        path = tmp_path / a._key_to_path(k).name
+        assert path.read_bytes() == payload + integrity.trailer(path.name, payload)
+        assert integrity.verify_file(path).verdict == "ok"
+
+
 def test_a_damaged_chunk_is_refused_alone_and_quarantined(tmp_path: Path) -> None:
     a = adapter(tmp_path, io_threads=3)
     try:

@@ -12,6 +12,7 @@ from prefixshare.server.plugins.integrity import (
     TRAILER_BYTES,
     Keyring,
     StoreKeyError,
+    TrailerHasher,
     check,
     key_id,
     payload_size,
@@ -155,3 +156,20 @@ def test_a_keyed_fs_tier_names_its_variables_not_its_keys(tmp_path: Path, monkey
     monkeypatch.setenv("PS_KEY_OLD", OLD.hex())
     assert tier_keyring(policy.l2[0]) == Keyring(KEY, (KEY, OLD))
     assert tier_keyring(build()) is None  # an unkeyed tier
+
+
+def test_a_payload_hashed_in_pieces_gets_the_same_trailer_and_check(tmp_path: Path) -> None:
+    """The fs writer feeds the digest a slice at a time; the trailer must be the whole payload's, keyed or not,
+    and the check that reads it must accept it (and refuse one bit flipped)."""
+    payload = os.urandom(3 * 65_536 + 123)
+    keyring = Keyring.from_env("PS_PIECES_KEY", (), environ={"PS_PIECES_KEY": "ab" * 32})
+    for ring in (None, keyring):
+        hasher = TrailerHasher("ns@chunk.data", ring)
+        for start in range(0, len(payload), 65_536):
+            hasher.update(memoryview(payload)[start:start + 65_536])
+        tail = hasher.trailer(len(payload))
+        assert tail == trailer("ns@chunk.data", payload, ring)
+        size = len(payload) + TRAILER_BYTES
+        assert check("ns@chunk.data", payload, tail, size, ring) == "ok"
+        flipped = bytes([payload[0] ^ 1]) + payload[1:]
+        assert check("ns@chunk.data", flipped, tail, size, ring) == "digest-mismatch"
