@@ -36,6 +36,7 @@ def test_quick_bench_produces_sane_results(tmp_path: Path) -> None:
     assert m["cores"] >= 1 and m["memory_gb"] > 0 and m["versions"]["prefixshare"] and m["cpu"]
 
     assert results["run_id"] and results["commit"] and results["recorded_at"]
+    assert results["interleaved_a_r"]  # P7's and P6's replicas up side by side, their requests alternating
 
     rows = results["per_length"]
     settings = results["settings"]
@@ -62,6 +63,8 @@ def test_quick_bench_produces_sane_results(tmp_path: Path) -> None:
         _sane(row["bypassed_cold_ttft_s"], runs)
         assert len(miss["added_values_s"]) == runs and math.isfinite(miss["in_process_ratio"])
         assert miss["bypassed_did"] == {"lookups": 0, "tokens_stored": 0, "tokens_loaded": 0}, miss
+        # every miss was stored after its first token: its chunks reached the store's medium before the next request
+        assert len(miss["landed_values_s"]) == runs and all(x is not None for x in miss["landed_values_s"]), miss
         assert 0 < row["overhead_us"]["calls_us"]["median"] < row["overhead_us"]["total_us"]
         assert math.isfinite(row["overhead_pct_of_warm_ttft"])
     for n in settings["slow_lengths"]:

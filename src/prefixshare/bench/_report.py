@@ -301,19 +301,26 @@ def _md_miss(rows: dict[str, Any], lengths: list[int]) -> list[str]:
         "",
         "## P7: the miss overhead",
         "",
-        "The same prompts computed cold by the raw engine (R, vLLM without prefixshare, run right after A: the goal's "
-        "ratio) and by a replica with prefixshare attached (A, whose store is empty, so every lookup misses and "
-        "every prompt is then stored). Between the two processes the machine's load drifts, so A also computed, "
-        "interleaved with those, prompts of the same length that prefixshare was told to leave alone "
+        "The same prompts computed cold by the raw engine (R, vLLM without prefixshare: the goal's ratio) and by a "
+        "replica with prefixshare attached (A, whose store is empty, so every lookup misses and every prompt is then "
+        "stored), and, in A, prompts of the same length that prefixshare was told to leave alone "
         "(`prefixshare.load: never`, `prefixshare.store: false`: no lookup, no store; *bypassed*): the in-process "
-        "ratio and the added time (median of the per-pair differences) come from those pairs. The added time is "
-        "split into the lookup (the connector's own timing of it), prefixshare's per-request calls (P5, timed "
-        "in-process) and the rest — the engine-side copy of the KV into the server and anything else — by "
+        "ratio and the added time (median of the per-pair differences) come from those. A and R are up side by "
+        "side and their requests alternate (in runs before that, R ran after A, and the drift between the two "
+        "processes showed in the ratio). A miss's KV is copied into the server after its first token; the run "
+        "waits until its chunks are on the store's medium (*landed*, from the first token) before the next request, "
+        "so P7 is what a miss's first token waits for. On a GPU host that copy runs beside the prefill; on this "
+        "CPU-only box it takes the prefill's cores, and what it costs them is measured apart "
+        "(`benchmarks/miss_path.py`, in docs/benchmarks/miss-path.json). The added time is split into the lookup "
+        "(the connector's own timing of it), prefixshare's per-request calls (P5, timed in-process) and the rest, by "
         "difference.",
         "",
+    ]
+    landed = all(rows[str(n)]["miss_overhead"].get("landed_s") is not None for n in lengths)
+    lines += [
         "| n | raw cold (R) | cold, prefixshare (A) | ratio (goal) | bypassed (A) | ratio in-process | added "
-        "| lookup (miss) | prefixshare's calls | store copy and rest |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| lookup (miss) | prefixshare's calls | rest |" + (" landed |" if landed else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if landed else ""),
     ]
     for n in lengths:
         r = rows[str(n)]
@@ -321,7 +328,7 @@ def _md_miss(rows: dict[str, Any], lengths: list[int]) -> list[str]:
         lines.append(f"| {n} | {_span(r['raw_cold_ttft_s'])} | {_span(r['cold_ttft_s'])} | {m['ratio']:.2f}× | "
                      f"{_span(r['bypassed_cold_ttft_s'])} | {m['in_process_ratio']:.2f}× | {_ms(m['added_s'])} | "
                      f"{_ms(m['lookup_s']) if m['lookup_s'] is not None else '–'} | "
-                     f"{m['ours_s'] * 1e6:.0f} µs | {_ms(m['rest_s'])} |")
+                     f"{m['ours_s'] * 1e6:.0f} µs | {_ms(m['rest_s'])} |" + (f" {_ms(m['landed_s'])} |" if landed else ""))
     return lines
 
 
@@ -788,8 +795,9 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
         out += ["**Pre-warm (P6).** Raw prefill → the same prefill with prefixshare attached (cold TTFT: a lookup "
                 "that misses, then the engine-side copy of the KV into the server through the same "
                 f"{results.get('transport', 'pickle')} transport) → `warm()` (that, then waiting until every chunk is on the store's medium, and the "
-                "registry entry). Replicas A and R ran one after the other, so a drifting machine load shows in "
-                "the differences too:", "",
+                "registry entry). " + ("Replicas A and R were up side by side, their requests interleaved:" if results.get(
+                    "interleaved_a_r") else "Replicas A and R ran one after the other, so a drifting machine load "
+                    "shows in the differences too:"), "",
                 "| tokens | raw prefill | with prefixshare (cold TTFT) | pre-warm | lookup + store copy | warm()'s own |",
                 "|---|---|---|---|---|---|"]
         for n in lengths:

@@ -15,12 +15,13 @@ Every figure is held against something that can embarrass it:
 Replicas (each a fresh process, :mod:`prefixshare.bench._replica`); documents are ``n + 1`` tokens, ``n`` a
 multiple of the block and chunk sizes, so a load and a prefix-cache hit both leave exactly one token to compute:
 
-* **A** (server SA, empty fs store, prefixshare attached): per length, ``runs`` documents computed cold (P7's
-  numerator, and what B loads), each paired with another cold prompt of the same length that prefixshare is told
-  to leave alone (``prefixshare.load: never``, ``prefixshare.store: false``: P7's breakdown, in one process);
-  then the P6 documents pre-warmed with :func:`prefixshare.warm.warm`;
-* **R** (vLLM without prefixshare), right after A: the same documents computed cold (P1's and P7's raw
-  baseline), then the P6 documents' exact tokens (P6's reference);
+* **A** (server SA, empty fs store, prefixshare attached) and **R** (vLLM without prefixshare), up side by side,
+  their requests interleaved: per length, ``runs`` documents computed cold by A (P7's numerator, and what B
+  loads; the run waits until each one's chunks are on the store's medium before the next request) and by R
+  (P1's and P7's raw baseline), and, in A, another cold prompt of the same length that prefixshare is told to
+  leave alone (``prefixshare.load: never``, ``prefixshare.store: false``: P7's breakdown, in one process); then
+  the P6 documents pre-warmed by A with :func:`prefixshare.warm.warm`, each followed by R prefilling its exact
+  tokens (P6's reference); then the corpus, A then R;
 * **B** (server SB on the same directory: another node): each document loaded from the store (P1/P2 warm,
   page cache warm), then asked again at once: the whole prefix is in B's own KV cache, so that request
   computes one token with everything else in place (P2's floor, measured in the same replica, interleaved);
@@ -236,9 +237,8 @@ class Bench:
         docs = {n: [_ids("doc", n + 1, i, s.seed) for i in range(s.runs)] for n in s.lengths}
         texts = {n: [(f"bench-{n}-{i}", self._text(n, i)) for i in range(s.runs)] for n in s.slow_lengths}
 
-        a = self._run_a(warmup, docs, texts)
-        a_steps = self._by_tag(a)
-        r_steps = self._by_tag(self._run_r(warmup, docs, a_steps))
+        a, r = self._run_a_and_r(warmup, docs, texts)
+        a_steps, r_steps = self._by_tag(a), self._by_tag(r)
         b = self._run_b(warmup, docs, a_steps)
         b_steps = self._by_tag(b)
         be_steps = self._run_b_evicted(warmup, docs) if s.evicted else {}
@@ -310,47 +310,87 @@ class Bench:
         self.timings["overhead_s"] = round(time.perf_counter() - t0, 1)
         return overhead, overhead_rules
 
-    def _run_a(self, warmup: list[int], docs: dict[int, list[list[int]]],
-               texts: dict[int, list[tuple[str, str]]]) -> dict[str, Any]:
-        """A: cold with prefixshare attached (stores every document), then pre-warm."""
-        s = self.s
-        steps: list[dict[str, Any]] = [{"op": "generate", "ids": warmup, "tag": "warmup"}]
-        bypassed = {REQ_LOAD: "never", REQ_STORE: False}
-        for n in s.lengths:
-            for i, ids in enumerate(docs[n]):
-                # interleaved with a prompt of the same length that prefixshare is told to leave alone (no lookup,
-                # no store): the miss overhead measured in one process, the order alternating
-                pair = [{"op": "generate", "ids": ids, "tag": f"cold:{n}:{i}"},
-                        {"op": "generate", "ids": _ids("bypass", n + 1, i, s.seed), "tag": f"bypass:{n}:{i}",
-                         "params": bypassed}]
-                steps += pair if i % 2 == 0 else pair[::-1]
-        for n in s.slow_lengths:
-            for i, (doc_id, text) in enumerate(texts[n]):
-                steps.append({"op": "warm", "doc_id": doc_id, "text": text, "tag": f"prewarm:{n}:{i}"})
-        if s.corpus_docs:
-            corpus = [(f"corpus-{i}", self._text(s.corpus_tokens, 100_000 + i)) for i in range(s.corpus_docs)]
-            steps.append({"op": "warm_corpus", "docs": corpus, "batch_tokens": s.corpus_batch_tokens,
-                          "tag": "corpus"})
-        pol_a = self._policy()
-        with self._server(pol_a):
-            return self._replica("A", pol_a, steps)
+    def _run_a_and_r(self, warmup: list[int], docs: dict[int, list[list[int]]],
+                     texts: dict[int, list[tuple[str, str]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A (prefixshare attached, its server SA, an empty store) and R (the raw engine) up side by side, their
+        requests interleaved (one runs at a time, the other idles), so that the machine's drift between two
+        processes run one after the other stays out of P7's and P6's ratios (run one after the other, A's
+        bypassed requests, which do nothing, measured 1.01-1.16x R's).
 
-    def _run_r(self, warmup: list[int], docs: dict[int, list[list[int]]],
-               a_steps: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """R, right after A: the raw engine (no prefixshare) computing A's documents cold, then the pre-warmed
-        documents' exact tokens."""
+        Per length and document: A's cold request (stored after its first token), R's raw cold request of the
+        same tokens, and A's bypassed request of another prompt of that length, the order reversed every other
+        document. After A's cold request the driver waits until its chunks are on the store's medium
+        (``landed_s``, from the first token) and each request is followed by a short pause, so the store copy
+        made after a first token never runs into the next request: P7 is what a miss's first token waits for
+        (what the store costs the machine's CPU afterwards is benchmarks/miss_path.py's). Then, per P6
+        document, A pre-warms it and R prefills its exact tokens; then the corpus, A then R."""
+        from prefixshare.bench._procs import ReplicaSession
+
         s = self.s
-        steps = [{"op": "generate", "ids": warmup, "tag": "warmup"}]
-        for n in s.lengths:
-            for i, ids in enumerate(docs[n]):
-                steps.append({"op": "generate", "ids": ids, "tag": f"rawcold:{n}:{i}"})
-        for n in s.slow_lengths:
-            for i in range(s.runs):
-                steps.append({"op": "generate", "ids": a_steps[f"prewarm:{n}:{i}"]["ids"], "tag": f"raw:{n}:{i}"})
-        if "corpus" in a_steps:
-            steps.append({"op": "prefill_batches", "docs": a_steps["corpus"]["ids"],
-                          "batch_tokens": s.corpus_batch_tokens, "tag": "corpus_raw"})
-        return self._replica("R", None, steps)
+        pol_a = self._policy()
+        base = {"model": str(self.model), "log_level": "INFO", "interactive": True, "steps": [],
+                "engine": {"max_model_len": max(s.lengths) + 256, "block_size": s.block_size}}
+        env = {"PREFIXSHARE_CACHE_DIR": str(self.work / "cache"), "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gb)}
+        bypassed = {REQ_LOAD: "never", REQ_STORE: False}
+        landed: dict[str, float | None] = {}
+        t0 = time.perf_counter()
+        self.log(f"replicas A and R, interleaved: {len(s.lengths) * s.runs * 3} requests, "
+                 f"{len(s.slow_lengths) * s.runs} pre-warms and their raw prefills ...")
+        with self._server(pol_a), \
+                ReplicaSession(self.work / "replicas", "A", {**base, "policy": pol_a.to_dict(),
+                                                             "instance": f"bench-A-{os.getpid()}"},
+                               env=env, timeout_s=7200) as a, \
+                ReplicaSession(self.work / "replicas", "R", {**base, "policy": None,
+                                                             "instance": f"bench-R-{os.getpid()}"},
+                               env=env, timeout_s=7200) as r:
+            a.run([{"op": "generate", "ids": warmup, "tag": "warmup"}])
+            r.run([{"op": "generate", "ids": warmup, "tag": "warmup"}])
+            time.sleep(1.0)  # the warm-up's store lands
+
+            def cold(n: int, i: int, ids: list[int]) -> None:
+                before = _chunk_files(self.store)
+                [out] = a.run([{"op": "generate", "ids": ids, "tag": f"cold:{n}:{i}"}])
+                waited = _wait_chunks(self.store, before + n // s.chunk_size)
+                landed[out["tag"]] = None if waited is None else waited
+                time.sleep(_PAUSE_S)
+
+            def raw(n: int, i: int, ids: list[int]) -> None:
+                r.run([{"op": "generate", "ids": ids, "tag": f"rawcold:{n}:{i}"}])
+                time.sleep(_PAUSE_S)
+
+            def bypass(n: int, i: int, ids: list[int]) -> None:
+                a.run([{"op": "generate", "ids": _ids("bypass", n + 1, i, s.seed), "tag": f"bypass:{n}:{i}",
+                        "params": bypassed}])
+                time.sleep(_PAUSE_S)
+
+            for n in s.lengths:
+                # a process's first prompt of a length pays one-off costs (~1.4x at 4k here): one untimed prompt
+                # of each length in both replicas first (A's bypassed: nothing stored)
+                first = _ids("first", n + 1, 0, s.seed)
+                a.run([{"op": "generate", "ids": first, "tag": f"first:{n}", "params": bypassed}])
+                r.run([{"op": "generate", "ids": first, "tag": f"first:{n}"}])
+                for i, ids in enumerate(docs[n]):
+                    for step in ((cold, raw, bypass) if i % 2 == 0 else (bypass, raw, cold)):
+                        step(n, i, ids)
+            for n in s.slow_lengths:
+                for i, (doc_id, text) in enumerate(texts[n]):
+                    [warmed] = a.run([{"op": "warm", "doc_id": doc_id, "text": text, "tag": f"prewarm:{n}:{i}"}])
+                    time.sleep(_PAUSE_S)
+                    r.run([{"op": "generate", "ids": warmed["ids"], "tag": f"raw:{n}:{i}"}])
+                    time.sleep(_PAUSE_S)
+            if s.corpus_docs:
+                corpus = [(f"corpus-{i}", self._text(s.corpus_tokens, 100_000 + i)) for i in range(s.corpus_docs)]
+                [warmed] = a.run([{"op": "warm_corpus", "docs": corpus, "batch_tokens": s.corpus_batch_tokens,
+                                   "tag": "corpus"}])
+                time.sleep(_PAUSE_S)
+                r.run([{"op": "prefill_batches", "docs": warmed["ids"], "batch_tokens": s.corpus_batch_tokens,
+                        "tag": "corpus_raw"}])
+        for step in a.result["steps"]:  # type: ignore[index]
+            if step.get("tag") in landed:
+                step["landed_s"] = landed[step["tag"]]
+        self.timings["replicas_A_R_s"] = round(time.perf_counter() - t0, 1)
+        self.log(f"replicas A and R: done in {self.timings['replicas_A_R_s']:.0f} s")
+        return a.result, r.result  # type: ignore[return-value]
 
     def _run_b(self, warmup: list[int], docs: dict[int, list[list[int]]],
                a_steps: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -496,6 +536,7 @@ class Bench:
             "connectors": {"replicas": {k: connectors[k] for k in ("O", "L")}},
             "corpus": _corpus(a_steps.get("corpus"), r_steps.get("corpus_raw")),
             "timings": self.timings,
+            "interleaved_a_r": True,  # A and R up side by side, requests alternating (P7, P6)
         }
         results["goals"] = evaluate(results)
         return results
@@ -586,6 +627,26 @@ class Bench:
         return out
 
 
+#: after each of A's and R's requests: the replica's background threads (stats writer, OpenMP's spinning workers)
+#: settle before the other replica's request starts
+_PAUSE_S = 0.2
+
+
+def _chunk_files(store: Path) -> int:
+    """Chunk files (``*.data``) in the fs store: what has landed on the medium."""
+    return sum(name.endswith(".data") for _, _, names in os.walk(store) for name in names)
+
+
+def _wait_chunks(store: Path, expected: int, timeout_s: float = 120.0) -> float | None:
+    """Seconds until ``expected`` chunk files are in the store (None: not within ``timeout_s``)."""
+    t0 = time.perf_counter()
+    while _chunk_files(store) < expected:
+        if time.perf_counter() - t0 > timeout_s:
+            return None
+        time.sleep(0.005)
+    return time.perf_counter() - t0
+
+
 def _floor(kv_bytes: int, one_token_s: float, io: dict[str, Any], hashing: bool, *, evicted: bool) -> dict[str, Any]:
     """P2's floor: the replica's own one-token TTFT with the prefix cached (measured) + the KV bytes through each
     stage of the copy path at that stage's best measured bandwidth: the medium's raw sequential read (page cache
@@ -650,9 +711,14 @@ def _miss_overhead(cold: dict[str, Any], raw_cold: dict[str, Any], bypass: dict[
     added = statistics.median(pairs) if pairs else float("nan")
     lookup = statistics.median(lookups) if lookups else None
     ours = overhead["total_us"] / 1e6
+    landed = [a_steps[f"cold:{n}:{i}"].get("landed_s") for i in range(runs) if f"cold:{n}:{i}" in a_steps]
+    on_disk = [x for x in landed if x is not None]
     return {"ratio": cold["median"] / raw_cold["median"], "in_process_ratio": cold["median"] / bypass["median"],
             "added_s": added, "added_values_s": pairs, "lookup_s": lookup, "ours_s": ours,
-            "rest_s": added - (lookup or 0.0) - ours, "lookup_values_s": lookups, "bypassed_did": touched}
+            "rest_s": added - (lookup or 0.0) - ours, "lookup_values_s": lookups, "bypassed_did": touched,
+            # when each cold request's chunks were all on the store's medium, from its first token (None: not
+            # within the wait; absent in runs where A and R ran one after the other)
+            "landed_s": statistics.median(on_disk) if on_disk else None, "landed_values_s": landed}
 
 
 def _over_raw(io: dict[str, Any], src: str) -> dict[str, float]:
