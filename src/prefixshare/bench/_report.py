@@ -151,6 +151,7 @@ def render_markdown(results: dict[str, Any], docs_path: Path) -> str:
     lines += _md_goals(results["goals"])
     lines += _md_ttft(results, rows, lengths)
     lines += _md_miss(rows, lengths)
+    lines += _md_miss_cpu(_lab_results(results, "miss-path.json"), _lab_results(results, "store-copy.json"))
     lines += _md_store(rows, lengths)
     lines += _md_sweep(results)
     lines += _md_overhead(rows, lengths)
@@ -329,6 +330,53 @@ def _md_miss(rows: dict[str, Any], lengths: list[int]) -> list[str]:
                      f"{_span(r['bypassed_cold_ttft_s'])} | {m['in_process_ratio']:.2f}× | {_ms(m['added_s'])} | "
                      f"{_ms(m['lookup_s']) if m['lookup_s'] is not None else '–'} | "
                      f"{m['ours_s'] * 1e6:.0f} µs | {_ms(m['rest_s'])} |" + (f" {_ms(m['landed_s'])} |" if landed else ""))
+    return lines
+
+
+def _md_miss_cpu(mp: dict[str, Any] | None, copy: dict[str, Any] | None) -> list[str]:
+    """What a miss's store costs a CPU-only box's cores after its first token (benchmarks/miss_path.py, and the
+    engine side's copy taken apart by benchmarks/store_copy.py), when their results sit beside this run's."""
+    if not mp or "q" not in mp:
+        return []
+    lines = [
+        "",
+        "### P7 on a CPU-only box: what a miss's store costs the cores after its first token",
+        "",
+        f"`python benchmarks/miss_path.py` (run `{mp['run_id']}`, commit `{mp['commit'][:12]}`, medians of "
+        f"{mp['rounds']} rounds): fresh replicas computing fresh prompts back to back — R the raw engine, S the raw "
+        "engine with the node's MP server idle beside it, B prefixshare attached with every request bypassed, P "
+        "prefixshare attached with every request a stored miss — and Q, prefixshare attached, stored misses and "
+        "bypassed requests alternating with each store landed and a pause before the next request; per request, "
+        "the engine's and the server's CPU seconds (stored minus bypassed: the store's).",
+        "",
+        "| n | S/R | B/R | P/R (back to back) | Q: first token, stored / bypassed | landed after the first token "
+        "| store CPU: engine | store CPU: server | store CPU / the prefill's CPU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, q in sorted(mp["q"].items(), key=lambda kv: int(kv[0])):
+        r = mp["rows"][n]
+        landed = q.get("landed_after_first_token_s")
+        lines.append(f"| {n} | {r['S']['over_raw']:.3f}× | {r['B']['over_raw']:.3f}× | {r['P']['over_raw']:.3f}× | "
+                     f"{q['first_token_ratio']:.3f}× | {_ms(landed) if landed is not None else '–'} | "
+                     f"{q['store_cpu_s']['engine'] * 1e3:.0f} ms | {q['store_cpu_s']['server'] * 1e3:.0f} ms | "
+                     f"{q['store_cpu_over_prefill_cpu'] * 100:.1f} % |")
+    idle = mp.get("idle_server_cpu_cores") or []
+    lines += ["", "A miss's first token does not wait for its store (Q). Its store then takes CPU from whatever "
+              "runs next: on this 2-core box that is the next prefill, whose threads wait for each other, so a "
+              "store costs it about its wall time, not only its CPU time (P). An idle MP server takes "
+              f"{', '.join(f'{c * 100:.1f} %' for c in idle)} of a core (S): most of it LMCache's "
+              "`DeviceHostFuncDispatcher`, a thread that wakes every 5 ms to drain completions of LMCache's "
+              "accelerator transfer path, idle with a CPU engine (2.1 % of a core measured alone). On a GPU host "
+              "the prefill runs on the GPU and all of this on host cores beside it."]
+    if copy and copy.get("rows"):
+        parts = [f"{n} tokens: LMCache's {c['gbps']['lmcache']:.2f} GB/s, one pass {c['gbps']['one_pass']:.2f} GB/s, "
+                 f"memcpy {c['gbps']['memcpy']:.2f} GB/s" for n, c in sorted(copy["rows"].items(),
+                                                                           key=lambda kv: int(kv[0]))]
+        lines += ["", "The engine's share is LMCache's copy of the KV out of vLLM's blocks: on a CPU engine it has "
+                  "no native kernel, and its Python fallback writes every byte three times (a staging tensor, a "
+                  "gather per layer, the permuted copy, then the copy into the chunk object). "
+                  f"`python benchmarks/store_copy.py` (run `{copy['run_id']}`, {copy['threads']} thread) times it "
+                  "against a copy of the same bytes straight into the chunk object: " + "; ".join(parts) + "."]
     return lines
 
 
@@ -791,13 +839,32 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
             "(`ConnectorRuntime.publish`; the write itself is off the request path).",
             "",
         ]
-    if not goals["P6"]["pass"]:
+    if not goals["P6"]["pass"] and results.get("interleaved_a_r"):
+        out += ["**Pre-warm (P6).** `warm()` = a prefill with prefixshare attached (a lookup that misses, the engine "
+                "step, the copy of the KV into the server after it), then waiting until every chunk is on the store's "
+                "medium, then the registry entry. Its time over the raw prefill (R, the document's exact tokens, "
+                "right after), split with what P7 measured in the same replicas at the same length: a miss's added "
+                "time (cold − bypassed, paired) and when its chunks landed after its first token; the rest is "
+                "warm()'s own (tokenizing and templating, the server's triage, the scans that verify, the registry):",
+                "",
+                "| tokens | raw prefill | pre-warm | over raw | a miss's added time (P7) | landed (P7) | rest |",
+                "|---|---|---|---|---|---|---|"]
+        for n in lengths:
+            r = rows[str(n)]
+            if "prewarm_s" not in r:
+                continue
+            m = r["miss_overhead"]
+            raw, pw = r["raw_prefill_s"]["median"], r["prewarm_s"]["median"]
+            landed = m.get("landed_s") or 0.0
+            out.append(f"| {n} | {_ms(raw)} | {_ms(pw)} | {_ms(pw - raw)} | {_ms(m['added_s'])} | {_ms(landed)} | "
+                       f"{_ms(pw - raw - m['added_s'] - landed)} |")
+        out.append("")
+    elif not goals["P6"]["pass"]:
         out += ["**Pre-warm (P6).** Raw prefill → the same prefill with prefixshare attached (cold TTFT: a lookup "
                 "that misses, then the engine-side copy of the KV into the server through the same "
-                f"{results.get('transport', 'pickle')} transport) → `warm()` (that, then waiting until every chunk is on the store's medium, and the "
-                "registry entry). " + ("Replicas A and R were up side by side, their requests interleaved:" if results.get(
-                    "interleaved_a_r") else "Replicas A and R ran one after the other, so a drifting machine load "
-                    "shows in the differences too:"), "",
+                f"{results.get('transport', 'pickle')} transport) → `warm()` (that, then waiting until every chunk is "
+                "on the store's medium, and the registry entry). Replicas A and R ran one after the other, so a "
+                "drifting machine load shows in the differences too:", "",
                 "| tokens | raw prefill | with prefixshare (cold TTFT) | pre-warm | lookup + store copy | warm()'s own |",
                 "|---|---|---|---|---|---|"]
         for n in lengths:
