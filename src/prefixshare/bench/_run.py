@@ -347,31 +347,7 @@ class Bench:
             r.run([{"op": "generate", "ids": warmup, "tag": "warmup"}])
             time.sleep(1.0)  # the warm-up's store lands
 
-            def cold(n: int, i: int, ids: list[int]) -> None:
-                before = _chunk_files(self.store)
-                [out] = a.run([{"op": "generate", "ids": ids, "tag": f"cold:{n}:{i}"}])
-                waited = _wait_chunks(self.store, before + n // s.chunk_size)
-                landed[out["tag"]] = None if waited is None else waited
-                time.sleep(_PAUSE_S)
-
-            def raw(n: int, i: int, ids: list[int]) -> None:
-                r.run([{"op": "generate", "ids": ids, "tag": f"rawcold:{n}:{i}"}])
-                time.sleep(_PAUSE_S)
-
-            def bypass(n: int, i: int, ids: list[int]) -> None:
-                a.run([{"op": "generate", "ids": _ids("bypass", n + 1, i, s.seed), "tag": f"bypass:{n}:{i}",
-                        "params": bypassed}])
-                time.sleep(_PAUSE_S)
-
-            for n in s.lengths:
-                # a process's first prompt of a length pays one-off costs (~1.4x at 4k here): one untimed prompt
-                # of each length in both replicas first (A's bypassed: nothing stored)
-                first = _ids("first", n + 1, 0, s.seed)
-                a.run([{"op": "generate", "ids": first, "tag": f"first:{n}", "params": bypassed}])
-                r.run([{"op": "generate", "ids": first, "tag": f"first:{n}"}])
-                for i, ids in enumerate(docs[n]):
-                    for step in ((cold, raw, bypass) if i % 2 == 0 else (bypass, raw, cold)):
-                        step(n, i, ids)
+            self._interleave_misses(a, r, docs, bypassed, landed)
             for n in s.slow_lengths:
                 for i, (doc_id, text) in enumerate(texts[n]):
                     [warmed] = a.run([{"op": "warm", "doc_id": doc_id, "text": text, "tag": f"prewarm:{n}:{i}"}])
@@ -391,6 +367,39 @@ class Bench:
         self.timings["replicas_A_R_s"] = round(time.perf_counter() - t0, 1)
         self.log(f"replicas A and R: done in {self.timings['replicas_A_R_s']:.0f} s")
         return a.result, r.result  # type: ignore[return-value]
+
+    def _interleave_misses(self, a: Any, r: Any, docs: dict[int, list[list[int]]], bypassed: dict[str, Any],
+                           landed: dict[str, float | None]) -> None:
+        """P7's requests: per length one untimed prompt in each replica, then per document A's cold request
+        (its chunks waited for on the medium: ``landed``), R's raw cold request and A's bypassed one, the order
+        reversed every other document."""
+        s = self.s
+
+        def cold(n: int, i: int, ids: list[int]) -> None:
+            before = _chunk_files(self.store)
+            [out] = a.run([{"op": "generate", "ids": ids, "tag": f"cold:{n}:{i}"}])
+            waited = _wait_chunks(self.store, before + n // s.chunk_size)
+            landed[out["tag"]] = waited
+            time.sleep(_PAUSE_S)
+
+        def raw(n: int, i: int, ids: list[int]) -> None:
+            r.run([{"op": "generate", "ids": ids, "tag": f"rawcold:{n}:{i}"}])
+            time.sleep(_PAUSE_S)
+
+        def bypass(n: int, i: int, ids: list[int]) -> None:
+            a.run([{"op": "generate", "ids": _ids("bypass", n + 1, i, s.seed), "tag": f"bypass:{n}:{i}",
+                    "params": bypassed}])
+            time.sleep(_PAUSE_S)
+
+        for n in s.lengths:
+            # a process's first prompt of a length pays one-off costs (~1.4x at 4k here): one untimed prompt
+            # of each length in both replicas first (A's bypassed: nothing stored)
+            first = _ids("first", n + 1, 0, s.seed)
+            a.run([{"op": "generate", "ids": first, "tag": f"first:{n}", "params": bypassed}])
+            r.run([{"op": "generate", "ids": first, "tag": f"first:{n}"}])
+            for i, ids in enumerate(docs[n]):
+                for step in ((cold, raw, bypass) if i % 2 == 0 else (bypass, raw, cold)):
+                    step(n, i, ids)
 
     def _run_b(self, warmup: list[int], docs: dict[int, list[list[int]]],
                a_steps: dict[str, dict[str, Any]]) -> dict[str, Any]:
