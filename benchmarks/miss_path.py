@@ -61,33 +61,19 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _chunk_files(store: Path) -> int:
-    """Chunk files (``*.data``) under the fs tier's directory: what has landed on the medium."""
-    return sum(name.endswith(".data") for _, _, names in os.walk(store) for name in names)
-
-
-def _wait_landed(store: Path, expected: int, timeout_s: float = 60.0) -> float | None:
-    """Seconds until ``expected`` chunk files are on disk (None: not within ``timeout_s``)."""
-    t0 = time.perf_counter()
-    while _chunk_files(store) < expected:
-        if time.perf_counter() - t0 > timeout_s:
-            return None
-        time.sleep(0.005)
-    return time.perf_counter() - t0
-
-
 def _q_session(work: Path, rnd: int, spec: dict[str, Any], server: Any, store: Path, bypass: dict[str, Any],
                pause_s: float, seed: int, chunk: int) -> tuple[dict[str, Any], int]:
     """Q: stored misses and bypassed requests alternating in one replica, each followed by the store landing
     and a pause; per request its TTFT, when its chunks were on disk, and the engine's and server's CPU seconds
     over the request and its pause."""
     from prefixshare.bench._procs import ReplicaSession
+    from prefixshare.bench._run import _wait_chunks
 
     rows: dict[str, Any] = {n: {"stored": [], "bypassed": []} for n in LENGTHS}
     with ReplicaSession(work / "replicas", f"Q{rnd}", {**spec, "interactive": True, "steps": []}) as q:
         q.run([{"op": "generate", "ids": _ids(512, 999_500 + rnd)}])
         expected = 512 // chunk
-        _wait_landed(store, expected)
+        _wait_chunks(store, expected)
         time.sleep(pause_s)
         for n in LENGTHS:
             for i in range(RUNS[n]):
@@ -102,7 +88,7 @@ def _q_session(work: Path, rnd: int, spec: dict[str, Any], server: Any, store: P
                     landed = None
                     if kind == "stored":
                         expected += n // chunk
-                        waited = _wait_landed(store, expected)
+                        waited = _wait_chunks(store, expected)
                         landed = None if waited is None else time.perf_counter() - t0 - ttft
                     time.sleep(pause_s)
                     rows[n][kind].append({"ttft_s": ttft, "landed_after_first_token_s": landed,
