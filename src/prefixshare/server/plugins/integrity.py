@@ -115,10 +115,15 @@ def _name_bytes(name: str) -> bytes:
     return stem.encode("utf-8") + b"\x00"
 
 
+def _hasher(name: str, key: bytes | None) -> Any:
+    """blake3 over the file name's stem and a NUL, ready for the payload; keyed when ``key`` is given."""
+    return blake3.blake3(_name_bytes(name)) if key is None else blake3.blake3(_name_bytes(name), key=key)
+
+
 def digest(name: str, payload: bytes | bytearray | memoryview, key: bytes | None = None) -> bytes:
     """The digest of ``payload`` stored under file name ``name`` (the ``.data`` suffix is ignored); keyed
     (blake3's keyed hash) when ``key`` is given."""
-    h = blake3.blake3(_name_bytes(name)) if key is None else blake3.blake3(_name_bytes(name), key=key)
+    h = _hasher(name, key)
     h.update(payload)
     return h.digest()
 
@@ -137,8 +142,7 @@ class TrailerHasher:
 
     def __init__(self, name: str, keyring: Keyring | None = None) -> None:
         self._key = keyring.write if keyring is not None else None
-        self._hash = (blake3.blake3(_name_bytes(name)) if self._key is None
-                      else blake3.blake3(_name_bytes(name), key=self._key))
+        self._hash = _hasher(name, self._key)
 
     def update(self, piece: bytes | bytearray | memoryview) -> None:
         self._hash.update(piece)
@@ -164,33 +168,10 @@ def _trailer_state(head: bytes, payload_bytes: int) -> Literal["ok", "absent", "
     return "ok"
 
 
-class PayloadCheck:
-    """The digest check of a chunk whose trailer passed every other check, fed the payload in pieces (a reader
-    hashes each slice right after reading it, while it is in the CPU's cache)."""
-
-    def __init__(self, name: str, key: bytes | None, expected: bytes) -> None:
-        self._hash = blake3.blake3(_name_bytes(name)) if key is None else blake3.blake3(_name_bytes(name), key=key)
-        self._expected = expected
-
-    def update(self, piece: bytes | bytearray | memoryview) -> None:
-        self._hash.update(piece)
-
-    def verdict(self) -> Verdict:
-        return "ok" if self._hash.digest() == self._expected else "digest-mismatch"
-
-
-def start_check(name: str, payload_bytes: int, tail: bytes, file_size: int,
-                keyring: Keyring | None = None) -> Verdict | PayloadCheck:
-    """Everything but the digest, from the file's size and its last ``TRAILER_BYTES`` (``tail``): a verdict when
-    that already decides (see the module's docstring for the keyed ones), else the check to feed the payload
-    into, under the key the trailer names."""
-    n = payload_bytes
-    if file_size == n:
-        return "unverified"  # exactly the payload: written without integrity data (a plain LMCache fs tier)
-    if file_size < n + TRAILER_BYTES or len(tail) != TRAILER_BYTES:
-        return "truncated"
-    if file_size != n + TRAILER_BYTES or _trailer_state(tail, n) != "ok":
-        return "bad-trailer"
+def _check_digest(name: str, payload: bytes | bytearray | memoryview, tail: bytes,
+                  keyring: Keyring | None) -> Verdict:
+    """The digest of a chunk whose trailer parsed, under the key its trailer names (see the module's docstring
+    for the keyed verdicts)."""
     _magic, _version, algorithm, kid, _length = _HEAD.unpack(tail[: _HEAD.size])
     key = None
     if algorithm == ALGORITHM_BLAKE3_KEYED:
@@ -201,7 +182,7 @@ def start_check(name: str, payload_bytes: int, tail: bytes, file_size: int,
             return "other-key"
     elif keyring is not None:
         return "unkeyed"
-    return PayloadCheck(name, key, tail[_HEAD.size :])
+    return "ok" if digest(name, payload, key) == tail[_HEAD.size :] else "digest-mismatch"
 
 
 def check(name: str, payload: bytes | bytearray | memoryview, tail: bytes, file_size: int,
@@ -209,11 +190,14 @@ def check(name: str, payload: bytes | bytearray | memoryview, tail: bytes, file_
     """Verdict on a chunk whose first ``len(payload)`` bytes were read into ``payload`` and whose last
     ``TRAILER_BYTES`` are ``tail`` (``file_size`` is the file's size on disk); ``keyring``: the reader's keys
     (None: an unkeyed store)."""
-    started = start_check(name, memoryview(payload).nbytes, tail, file_size, keyring)
-    if isinstance(started, str):
-        return started  # type: ignore[return-value]
-    started.update(payload)
-    return started.verdict()
+    n = memoryview(payload).nbytes
+    if file_size == n:
+        return "unverified"  # exactly the payload: written without integrity data (a plain LMCache fs tier)
+    if file_size < n + TRAILER_BYTES or len(tail) != TRAILER_BYTES:
+        return "truncated"
+    if file_size != n + TRAILER_BYTES or _trailer_state(tail, n) != "ok":
+        return "bad-trailer"
+    return _check_digest(name, payload, tail, keyring)
 
 
 @dataclass(frozen=True)
@@ -245,7 +229,7 @@ def verify_file(path: Path, keyring: Keyring | None = None) -> FileVerdict:
         return FileVerdict(path, "missing", None)
     except OSError:
         return FileVerdict(path, "unreadable", None)
-    return FileVerdict(path, check(path.name, payload, tail, size, keyring), length)
+    return FileVerdict(path, _check_digest(path.name, payload, tail, keyring), length)
 
 
 def payload_size(path: Path, file_size: int | None = None) -> int:
