@@ -19,7 +19,6 @@ of the connector.)
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from typing import Any
 
@@ -32,17 +31,15 @@ def run_connector_pairs(bench: Any, warmup: list[int], docs: dict[int, list[list
     ``docs``: per length, at least two documents nobody has stored yet."""
     s = bench.s
     policy = bench._policy()
-    base = {"model": str(bench.model), "policy": policy.to_dict(), "log_level": "WARNING",
-            "engine": {"max_model_len": max(s.lengths) + 256, "block_size": s.block_size}}
-    env = {"PREFIXSHARE_CACHE_DIR": str(bench.work / "cache"), "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gb)}
+    env = bench.replica_env()
     workdir = bench.work / "replicas"
     steps: dict[str, dict[str, Any]] = {}
     bench.log(f"P5: prefixshare's connector vs LMCache's, {s.p5_pairs} interleaved pairs per length ...")
     with bench._server(policy), \
-            ReplicaSession(workdir, "O", {**base, "instance": f"bench-O-{os.getpid()}", "hook_timings": True},
+            ReplicaSession(workdir, "O", bench.replica_spec("O", policy, log_level="WARNING", hook_timings=True),
                            env=env, timeout_s=1800) as ours, \
-            ReplicaSession(workdir, "L", {**base, "instance": "lmcache-plain", "connector": "lmcache"},
-                           env=env, timeout_s=1800) as plain:
+            ReplicaSession(workdir, "L", bench.replica_spec("L", policy, log_level="WARNING", connector="lmcache",
+                                                            instance="lmcache-plain"), env=env, timeout_s=1800) as plain:
         for replica in (ours, plain):
             replica.run([{"op": "generate", "ids": warmup, "tag": "warmup", "stats": False}])
         for n in s.lengths:

@@ -200,14 +200,22 @@ class Bench:
             fields["l2"] = [{"type": "fs", "base_path": str(store or self.store), "create": True}]
         return Policy.build(**fields)
 
+    def replica_spec(self, name: str, policy: Any, **extra: Any) -> dict[str, Any]:
+        """A replica's spec (:mod:`prefixshare.bench._replica`): the bench's model and engine, ``policy`` (None: the
+        raw engine), ``extra`` fields (steps, interactive, log level, ...)."""
+        return {"model": str(self.model), "policy": policy.to_dict() if policy is not None else None,
+                "instance": f"bench-{name}-{os.getpid()}", "log_level": "INFO",
+                "engine": {"max_model_len": max(self.s.lengths) + 256, "block_size": self.s.block_size}, **extra}
+
+    def replica_env(self) -> dict[str, str]:
+        """The environment every replica of the run gets: its cache dir and the engine's KV cache size."""
+        return {"PREFIXSHARE_CACHE_DIR": str(self.work / "cache"), "VLLM_CPU_KVCACHE_SPACE": str(self.s.kv_cache_gb)}
+
     def _replica(self, name: str, policy: Any, steps: list[dict[str, Any]]) -> dict[str, Any]:
-        spec = {"model": str(self.model), "policy": policy.to_dict() if policy is not None else None,
-                "instance": f"bench-{name}-{os.getpid()}", "steps": steps, "log_level": "INFO",
-                "engine": {"max_model_len": max(self.s.lengths) + 256, "block_size": self.s.block_size}}
-        env = {"PREFIXSHARE_CACHE_DIR": str(self.work / "cache"), "VLLM_CPU_KVCACHE_SPACE": str(self.s.kv_cache_gb)}
         t0 = time.perf_counter()
         self.log(f"replica {name}: {sum(1 for s in steps if s['op'] in ('generate', 'warm'))} requests ...")
-        result = run_replica(self.work / "replicas", name, spec, env=env, timeout_s=3600)
+        result = run_replica(self.work / "replicas", name, self.replica_spec(name, policy, steps=steps),
+                             env=self.replica_env(), timeout_s=3600)
         self.timings[f"replica_{name}_s"] = round(time.perf_counter() - t0, 1)
         self.log(f"replica {name}: done in {self.timings[f'replica_{name}_s']:.0f} s")
         return result
@@ -328,20 +336,16 @@ class Bench:
 
         s = self.s
         pol_a = self._policy()
-        base = {"model": str(self.model), "log_level": "INFO", "interactive": True, "steps": [],
-                "engine": {"max_model_len": max(s.lengths) + 256, "block_size": s.block_size}}
-        env = {"PREFIXSHARE_CACHE_DIR": str(self.work / "cache"), "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gb)}
+        env = self.replica_env()
         bypassed = {REQ_LOAD: "never", REQ_STORE: False}
         landed: dict[str, float | None] = {}
         t0 = time.perf_counter()
         self.log(f"replicas A and R, interleaved: {len(s.lengths) * s.runs * 3} requests, "
                  f"{len(s.slow_lengths) * s.runs} pre-warms and their raw prefills ...")
         with self._server(pol_a), \
-                ReplicaSession(self.work / "replicas", "A", {**base, "policy": pol_a.to_dict(),
-                                                             "instance": f"bench-A-{os.getpid()}"},
+                ReplicaSession(self.work / "replicas", "A", self.replica_spec("A", pol_a, interactive=True),
                                env=env, timeout_s=7200) as a, \
-                ReplicaSession(self.work / "replicas", "R", {**base, "policy": None,
-                                                             "instance": f"bench-R-{os.getpid()}"},
+                ReplicaSession(self.work / "replicas", "R", self.replica_spec("R", None, interactive=True),
                                env=env, timeout_s=7200) as r:
             a.run([{"op": "generate", "ids": warmup, "tag": "warmup"}])
             r.run([{"op": "generate", "ids": warmup, "tag": "warmup"}])
