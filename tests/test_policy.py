@@ -41,7 +41,7 @@ def _problems(exc: PolicyError) -> dict[str, str]:
 def test_default_policy_argv_is_accepted_by_lmcache(tmp_path: Path) -> None:
     policy = Policy.build(chunk_size=64, l2=[{"type": "fs", "base_path": str(tmp_path)}])
     argv = server_argv(policy)
-    assert argv[1:4] == ["-m", "lmcache.cli.main", "server"]
+    assert argv[1:4] == ["-m", "prefixshare.server.plugins.main", "server"]
     parsed = parse_server_argv(argv[4:])
     mp, storage = parsed["mp"], parsed["storage"]
     assert mp.chunk_size == 64 and mp.port == policy.server.port and mp.host == "127.0.0.1"

@@ -2,7 +2,9 @@
 
 It registers plain CPU tensors the way an engine-driven (CPU) engine does, so tests can prove a real
 round trip through the server and its L2 tier without starting vLLM or SGLang.
-Usage: python mp_roundtrip.py store|fetch|lookup RPC_URL [model_name] [cache_salt]
+Usage: python mp_roundtrip.py store|abandon|fetch|lookup RPC_URL [model_name] [cache_salt]
+``abandon`` reserves the chunks for a store (PREPARE_STORE) and unregisters without writing or committing them:
+what an engine does when its store RPC times out or it exits mid-store.
 Server must run with --supported-transfer-mode engine_driven (or auto) and --chunk-size 32.
 """
 import os, sys, time, uuid
@@ -50,6 +52,9 @@ def main():
         if MODE == "store":
             ok = tc.submit_store(rid, key(rid, 0), kv, [BLOCK_IDS], None, CHUNK // BS).result(timeout=TIMEOUT)
             print("STORE ok =", ok)
+        elif MODE == "abandon":
+            reply = client.prepare_store(key(rid, 0), tc._instance_id).result(timeout=TIMEOUT)
+            print("RESERVED slots =", len(reply.context.get("slots", [])))
         else:
             t0 = time.monotonic()
             client.lookup(key(rid, None), 1).result(timeout=TIMEOUT)     # LOOKUP (+prefetch L2->L1)

@@ -158,10 +158,10 @@ def render_cmd(
     show_secrets: bool = typer.Option(False, "--show-secrets", help="Do not mask passwords."),
 ) -> None:
     """Show the LMCache MP server command line and the in-process engine config a policy implies."""
-    from prefixshare.policies import Policy, legacy_config, legacy_yaml, server_argv, server_env
+    from prefixshare.policies import SERVER_MODULE, Policy, legacy_config, legacy_yaml, server_argv, server_env
 
     policy = Policy.from_yaml(str(file))
-    argv = server_argv(policy, executable=["lmcache"], redact=not show_secrets)
+    argv = server_argv(policy, executable=["python", "-m", SERVER_MODULE], redact=not show_secrets)
     env = {k: ("***" if "PASSWORD" in k and not show_secrets else v) for k, v in server_env(policy).items()}
     legacy = legacy_config(policy)
     if json:
@@ -178,7 +178,8 @@ def render_cmd(
 
 def _server_argv_lines(argv: list[str]) -> list[str]:
     """The server command line split for display: the executable and ``server``, then one "--flag value" per line."""
-    lines, i = [" ".join(shlex.quote(a) for a in argv[:1] + ["server"])], argv.index("server") + 1
+    start = argv.index("server")
+    lines, i = [" ".join(shlex.quote(a) for a in argv[:start + 1])], start + 1
     while i < len(argv):  # one "--flag value" per line
         flag = argv[i]
         has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")

@@ -20,14 +20,19 @@ def _fmt(value: float) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
+#: the server's entry module: ``lmcache server`` with prefixshare's guards (prefixshare.server.plugins.guards)
+SERVER_MODULE = "prefixshare.server.plugins.main"
+
+
 def server_argv(policy: Policy, *, executable: list[str] | None = None, redact: bool = False) -> list[str]:
     """The full command line of ``lmcache server`` for this policy.
 
-    ``executable`` defaults to this interpreter running LMCache's CLI module, so the server always
-    comes from the same environment as prefixshare (not whichever ``lmcache`` is first on PATH).
+    ``executable`` defaults to this interpreter running :data:`SERVER_MODULE` — LMCache's CLI with
+    prefixshare's guards installed first (an engine's abandoned store is discarded, not admitted) — so the
+    server always comes from the same environment as prefixshare (not whichever ``lmcache`` is first on PATH).
     """
     srv, l1 = policy.server, policy.l1
-    argv = list(executable) if executable is not None else [sys.executable, "-m", "lmcache.cli.main"]
+    argv = list(executable) if executable is not None else [sys.executable, "-m", SERVER_MODULE]
     argv += [
         "server",
         "--host", srv.host,
