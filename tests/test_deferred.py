@@ -105,14 +105,32 @@ def test_drain_is_bounded_and_refuses_new_stores() -> None:
     inner.gate.clear()
     stuck = _store(ctx, "stuck")
     started = time.monotonic()
-    assert stores.drain(timeout_s=0.3) is False  # a store that never finishes does not hang shutdown
-    assert time.monotonic() - started < 2.0
+    # a store that never finishes does not hang shutdown: the queue's bound, then the running store's
+    assert stores.drain(timeout_s=0.3, running_timeout_s=0.3) is False
+    assert 0.6 <= time.monotonic() - started < 2.0
     late = _store(ctx, "late")
     assert late.query() and late.result() is False  # after drain: refused at once, never queued
     inner.gate.set()
     assert stuck.result(timeout=5) is True
     ctx.close()
     assert inner.closed
+
+
+def test_a_drain_that_gives_up_still_waits_for_the_store_being_copied() -> None:
+    """Shutdown unregisters the worker right after the drain, and the server then frees what the worker left
+    reserved: the store already running (maybe mid-copy into its reserved buffer) is waited for; the stores
+    behind it are dropped unsent."""
+    inner = SyncContext()
+    stores = DeferredStores(5.0, lambda rid, err: None)
+    ctx = stores.wrap(inner)
+    inner.gate.clear()
+    running, queued = _store(ctx, "running"), _store(ctx, "queued")
+    time.sleep(0.1)  # the thread is inside "running"
+    threading.Timer(0.6, inner.gate.set).start()
+    started = time.monotonic()
+    assert stores.drain(timeout_s=0.2, running_timeout_s=5.0) is False  # the queue did not finish in time ...
+    assert 0.4 <= time.monotonic() - started < 3.0 and running.query()  # ... but the running store did
+    assert running.result() is True and inner.order == ["running"] and not queued.query()
 
 
 def test_stores_queued_behind_a_dead_server_are_dropped_unsent() -> None:

@@ -52,6 +52,7 @@ class DeferredStores:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixshare-store")
         self._lock = threading.Lock()
         self._pending: set[threading.Event] = set()
+        self._running: threading.Event | None = None  # the store the thread is on (its ``done``), if any
         self._closed = False
         #: counters for tests and stats: stores queued, completed, failed; longest queue seen
         self.queued = 0
@@ -80,6 +81,7 @@ class DeferredStores:
         def task() -> None:
             ok = False
             error: BaseException | None = None
+            self._running = done
             try:
                 if not self.healthy():
                     raise _Dropped
@@ -92,12 +94,13 @@ class DeferredStores:
             finally:
                 with self._lock:
                     self._pending.discard(done)
+                    self._running = None
                     if ok:
                         self.completed += 1
                     else:
                         self.failed += 1
+                completion.set_result(ok)  # resolved before ``done``: a flush that returns sees it resolved
                 done.set()
-                completion.set_result(ok)
             if not ok:
                 self.on_failure(request_id, error)
 
@@ -118,12 +121,23 @@ class DeferredStores:
                 return False
         return True
 
-    def drain(self, timeout_s: float | None = None) -> bool:
-        """Refuse new stores, finish the queued ones (bounded), stop the thread."""
+    def drain(self, timeout_s: float | None = None, running_timeout_s: float | None = None) -> bool:
+        """Refuse new stores, finish the queued ones (bounded), stop the thread.
+
+        When the queue does not finish in time, the stores not yet started are dropped, but the one running is
+        waited for (``running_timeout_s``, by default its RPCs' bound): it may be copying into a buffer the
+        server reserved for it, and the worker unregisters right after the drain. An engine that leaves a
+        reservation uncommitted loses that store (the server's guard discards it); one that leaves mid-copy
+        could write into memory the server has already handed to someone else."""
         with self._lock:
             self._closed = True
         finished = self.flush(timeout_s)
         self._pool.shutdown(wait=finished, cancel_futures=not finished)
+        if not finished:
+            running = self._running
+            if running is not None:
+                running.wait(self.rpc_timeout_s * 2 + DRAIN_GRACE_S if running_timeout_s is None
+                             else running_timeout_s)
         return finished
 
 
