@@ -25,9 +25,6 @@ from prefixshare._log import get_logger
 
 log = get_logger("prefixshare.server")
 
-_INSTALLED: dict[str, bool] = {}
-
-
 class GuardError(RuntimeError):
     """LMCache's internals are not what a guard was written against."""
 
@@ -51,16 +48,18 @@ def _discard_abandoned_writes(storage_manager: Any, keys: list[Any], tag: str) -
 
 def discard_abandoned_stores() -> None:
     """Install the abandoned-store guard (idempotent)."""
-    if _INSTALLED.get("abandoned_stores"):
-        return
     from lmcache.v1.distributed import storage_manager as sm
+    from lmcache.v1.distributed.l1_manager import L1Manager
     from lmcache.v1.multiprocess.modules.engine_driven_transfer import EngineDrivenTransferModule
 
     original = getattr(EngineDrivenTransferModule, "_release_entry", None)
+    if getattr(original, "prefixshare_guard", False):
+        return
     tag = getattr(sm, "_L1_WRITE_TAG", None)
-    if original is None or tag is None or not hasattr(sm.StorageManager, "_require_single_l1"):
-        raise GuardError(f"LMCache {_lmcache_version()}: EngineDrivenTransferModule._release_entry or the storage "
-                         "manager's write tag is gone; review prefixshare.server.plugins.guards for this version")
+    if original is None or tag is None or not hasattr(L1Manager, "finish_write_and_delete"):
+        raise GuardError(f"LMCache {_lmcache_version()}: EngineDrivenTransferModule._release_entry, the storage "
+                         "manager's write tag or L1Manager.finish_write_and_delete is gone; review "
+                         "prefixshare.server.plugins.guards for this version")
 
     def _release_entry(self: Any, instance_id: int, entry: Any) -> None:
         with self._pending_shm_lock:
@@ -73,8 +72,8 @@ def discard_abandoned_stores() -> None:
                         why="an engine left with stores reserved but never committed: discarded, not admitted")
         original(self, instance_id, entry)  # no writes left for it to admit; reads and the layout as LMCache does
 
+    _release_entry.prefixshare_guard = True  # type: ignore[attr-defined]
     EngineDrivenTransferModule._release_entry = _release_entry
-    _INSTALLED["abandoned_stores"] = True
 
 
 def install() -> None:
