@@ -48,6 +48,7 @@ class PrefixShareRadixCache(LMCacheUnifiedRadixCache):
         self._storing: set[str] = set()  # requests that submitted a store (their mark is no lookup's)
         super().__init__(params, **kwargs)
         _compat.on_store_completed(self.lmcache_connector, self._store_completed)
+        _compat.store_copies_on_threads_that_end(self.lmcache_connector)
         tensors, hints = _compat.registered_kv(self.lmcache_connector)
         if tensors:  # the namespace's layout label must describe the KV LMCache copies from
             verify_registered(runtime, tensors, hints, "sglang")

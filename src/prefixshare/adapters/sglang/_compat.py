@@ -45,3 +45,22 @@ def external_flow(cache: Any, rid: str) -> Any:
 def registered_kv(connector: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(KV tensors, layout hints) as LMCache's SGLang connector registers them with the MP server."""
     return dict(getattr(connector, "_kv_caches", None) or {}), {"kv_list_layout": "unified"}
+
+
+def store_copies_on_threads_that_end(connector: Any) -> bool:
+    """Run LMCache's store copies (its transfer context's ``_commit_executor``, a thread pool whose threads live
+    as long as the engine) each on a thread that ends with the copy, same order and same concurrency (see
+    :mod:`prefixshare.adapters._threads`: a long-lived thread's OpenMP pool slows every later prefill). False
+    when this LMCache's context has no such executor (nothing to change)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefixshare.adapters._threads import ThreadPerTaskExecutor
+
+    context = getattr(connector, "_transfer_ctx", None)
+    executor = getattr(context, "_commit_executor", None)
+    if not isinstance(executor, ThreadPoolExecutor):
+        return isinstance(executor, ThreadPerTaskExecutor)
+    context._commit_executor = ThreadPerTaskExecutor(executor._max_workers,  # type: ignore[union-attr]
+                                                     thread_name_prefix="prefixshare-sglang-store-copy")
+    executor.shutdown(wait=False)  # it has run nothing yet: the engine is still being built
+    return True

@@ -22,14 +22,9 @@ produced. A store whose RPC fails or times out resolves False (the KV is simply 
 worker's health flag, as a failed submit does (:class:`prefixshare.adapters.vllm.connector.WorkerSide`); the
 stores queued behind it are then dropped unsent, as LMCache drops a store submitted to a server it knows is down.
 
-Each store's copy runs on a thread of its own that ends with the store (:func:`_on_own_thread`), not on the
-queue's long-lived thread. The copy is torch code that starts OpenMP parallel regions, and a thread that
-does so keeps an OpenMP thread pool for as long as it lives. With two pools alive on a machine with few
-cores, GNU OpenMP counts more threads than cores and stops spin-waiting between parallel regions, so the
-engine's own many small regions — LMCache's copy of a load into the engine's blocks is 12 per chunk — each
-wait to be woken: on 2 cores every later load's copy took 1.7x as long (8k tokens: 72 ms against 44 ms),
-which is what P5 measured against LMCache's connector (benchmarks/hits_after_deferred_store.py). A thread
-that ends takes its pool with it.
+Each store's copy runs on a thread of its own that ends with the store, not on the queue's long-lived thread
+(:mod:`prefixshare.adapters._threads` says why: a long-lived thread's OpenMP pool slowed every later load's copy
+1.7x on 2 cores, which is what P5 measured against LMCache's connector).
 """
 
 from __future__ import annotations
@@ -39,26 +34,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from prefixshare.adapters._threads import on_own_thread
+
 #: how long a flush (preemption) or a drain (shutdown) waits for queued stores, at most, beyond the RPC bound
 DRAIN_GRACE_S = 5.0
-
-
-def _on_own_thread(run: Callable[[], Any]) -> Any:
-    """``run()`` on a fresh thread, joined: its result, or its exception raised here (see the module's doc)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="prefixshare-store-copy", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 class _Dropped(Exception):
@@ -112,7 +91,7 @@ class DeferredStores:
             try:
                 if not self.healthy():
                     raise _Dropped
-                inner = _on_own_thread(run)
+                inner = on_own_thread(run, name="prefixshare-store-copy")
                 ok = bool(inner.result(timeout=self.rpc_timeout_s)) if inner is not None else False
             except _Dropped:
                 self.dropped += 1
