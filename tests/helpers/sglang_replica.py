@@ -2,7 +2,8 @@
 
 Same contract as vllm_replica.py. SGLang's CPU engine needs the test-only ``sgl_kernel`` stand-in from
 tests/shims on PYTHONPATH (the test harness puts it there). ``policy: null`` runs a cold engine.
-Request specs may carry "document_id", "tenant", "prefix_tokens", "store" (prefixshare settings).
+Request specs may carry "document_id", "tenant", "prefix_tokens", "store", "load" (prefixshare settings) and
+"pause_before_s" (a sleep before the request, so that what the previous one left running has ended).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def main() -> None:
         if i in kill:
             os.kill(kill[i], signal.SIGKILL)
             time.sleep(0.2)
+        if req.get("pause_before_s"):
+            time.sleep(float(req["pause_before_s"]))
         extra = request_kwargs(document_id=req.get("document_id"), tenant=req.get("tenant"),
-                               prefix_tokens=req.get("prefix_tokens"), store=req.get("store"))
+                               prefix_tokens=req.get("prefix_tokens"), store=req.get("store"), load=req.get("load"))
         t0 = time.monotonic()
         out = eng.generate(input_ids=req["prompt_token_ids"], return_logprob=True,
                            sampling_params={"temperature": 0.0, "max_new_tokens": req.get("max_tokens", 12),
