@@ -1,28 +1,29 @@
 """What a miss costs on SGLang: the bench's P7 (cold TTFT with prefixshare attached / the raw engine's) for
 SGLang's CPU engine, which the bench (vLLM only) does not cover.
 
-    python benchmarks/sglang_miss_path.py [--rounds 2] [--pause 1.0] [--out docs/benchmarks/sglang-miss-path.json]
+    python benchmarks/sglang_miss_path.py [--steps 6] [--pause 1.0] [--out docs/benchmarks/sglang-miss-path.json]
 
-Per round, three fresh SGLang processes of the bench model compute fresh prompts cold (1k and 4k tokens,
-``max_new_tokens=1``, so a request's time is its time to first token; the first request of each is a warm-up
-and is dropped), in an order that alternates between rounds:
+Three SGLang replicas of the bench model are up side by side, and their requests alternate (which one goes
+first rotates from step to step), so drift on a shared machine falls on all of them alike:
 
 * **R**: SGLang without prefixshare (P7's denominator);
-* **L**: SGLang with LMCache's own integration (``enable_lmcache``, LMCache's tree cache, the same MP server
-  settings and store), every request a miss that LMCache stores: whose cost a miss's cost is;
-* **Q**: SGLang with prefixshare attached (fs tier, integrity on, an MP server beside it), stored misses and
-  bypassed requests (``load=never``, ``store=False``: no lookup, no store) alternating, which one goes first
-  alternating too. *stored / bypassed* is what a miss's lookup and store add in the same process; *stored / R*
-  is the goal's ratio, across processes.
+* **L**: SGLang with LMCache's own integration (``enable_lmcache``, LMCache's tree cache), every request a miss
+  that LMCache stores: whose cost a miss's cost is;
+* **Q**: SGLang with prefixshare attached (fs tier, integrity on), each step one stored miss and one bypassed
+  request (``load=never``, ``store=False``: no lookup, no store). *stored / bypassed* is what a miss's lookup
+  and store add in the same process; *stored / R* is the goal's ratio.
 
-Every request waits ``--pause`` seconds first, so that what the previous request left running (a store's copy
-into the server, its write to the medium) has ended: this measures what a miss's first token waits for, not
-what its store takes from the next request. The MP server's CPU seconds over L's and Q's runs are recorded
-(an engine registered with it keeps it busier than an idle one). The run checks that Q's stores happened (the store holds one chunk
-file per stored chunk) and that R and Q answered every prompt with the same token.
+Every replica runs with SGLang's ``sleep_on_idle`` (without it an idle scheduler polls and takes a core from
+the one computing). L and Q share one MP server (their keys differ: LMCache keys by model name, prefixshare by fingerprint). Each
+step computes fresh prompts cold, ``max_new_tokens=1`` (a request's time is its time to first token): one
+prompt for R, L and Q's stored miss (their first tokens must agree), another for Q's bypassed request. Every
+request waits ``--pause`` seconds first, so what the previous request left running (a store's copy into the
+server, its write to the medium) has ended: this measures what a miss's first token waits for, not what its
+store takes from the next request. The run checks that the stores happened (one chunk file per stored chunk of
+L and of Q, and Q's own count of tokens stored).
 
 SGLang's CPU engine needs the test-only ``sgl_kernel`` stand-in (tests/shims; see tests/e2e/common.py), so this
-script drives the test helper ``tests/helpers/sglang_replica.py``.
+script drives the test helper ``tests/helpers/sglang_replica.py`` in its interactive mode.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 LENGTHS = (1024, 4096)
-PAIRS = {1024: 4, 4096: 2}
 CHUNK = 256
+CALLS = ("R", "L", "Qs", "Qb")
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -53,21 +54,49 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(16, 4000) for _ in range(n)]  # the bench model has 4,096 tokens
 
 
-def _requests(kind: str, rnd: int, pause_s: float) -> list[dict[str, Any]]:
-    """The round's requests for ``kind``: the same prompts for R and Q (seeded by round), tagged."""
-    out: list[dict[str, Any]] = [{"prompt_token_ids": _ids(512, 900_000 + rnd), "max_tokens": 1, "tag": "warmup"}]
-    seed = 1000 * rnd
-    for n in LENGTHS:
-        for i in range(PAIRS[n]):
-            order = ("stored", "bypassed") if (i + rnd) % 2 == 0 else ("bypassed", "stored")
-            for how in order:
-                seed += 1
-                req: dict[str, Any] = {"prompt_token_ids": _ids(n + 1, seed), "max_tokens": 1,
-                                       "pause_before_s": pause_s, "tag": f"{n}:{how}"}
-                if kind == "Q" and how == "bypassed":
-                    req.update(load="never", store=False)
-                out.append(req)
-    return out
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Replica:
+    """One SGLang replica in the test helper's interactive mode: a request per line, a result per line."""
+
+    def __init__(self, work: Path, name: str, spec: dict[str, Any]) -> None:
+        from e2e.common import SCRIPTS, SHIM_ENV
+
+        path = work / f"{name}.json"
+        path.write_text(json.dumps({**spec, "interactive": True, "requests": [], "instance": name}))
+        env = {**os.environ, **SHIM_ENV, "PREFIXSHARE_LOG_JSON": "1", "PREFIXSHARE_LOG_LEVEL": "WARNING"}
+        self.name = name
+        self.stderr = open(work / f"{name}.stderr", "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPTS["sglang"]), str(path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        raise RuntimeError(f"{self.name} ended (rc {self.proc.wait()}); see its .stderr")
+
+    def generate(self, ids: list[int], pause_s: float, **params: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompt_token_ids": ids, "max_tokens": 1, "pause_before_s": pause_s,
+                                          **params}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("ONE "))
+
+    def close(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        try:
+            return json.loads(self._expect("RESULT "))
+        finally:
+            self.proc.wait(timeout=120)
+            self.stderr.close()
 
 
 def _chunk_files(store: Path) -> int:
@@ -75,80 +104,78 @@ def _chunk_files(store: Path) -> int:
                and not p.name.startswith("."))
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _run_round(work: Path, rnd: int, model: Path, policy: Any, pause_s: float) -> dict[str, Any]:
-    from e2e.common import run_replica
-
+def _measure(work: Path, model: Path, policy: Any, steps: dict[int, int], pause_s: float) -> dict[str, Any]:
+    from prefixshare.adapters.sglang import write_lmcache_config
     from prefixshare.server import LMCacheServer
 
-    out: dict[str, Any] = {}
-    from prefixshare.adapters.sglang import write_lmcache_config
+    store = Path(policy.l2[0].base_path)
+    # SGLang's scheduler polls while idle unless told to sleep: three idle-polling replicas would take the cores
+    spec: dict[str, Any] = {"model": str(model), "policy": None, "engine": {"sleep_on_idle": True}}
+    rows: list[dict[str, Any]] = []
+    with LMCacheServer(policy, log_path=work / "server.log") as server:
+        replicas: dict[str, _Replica] = {}
+        try:
+            replicas["R"] = _Replica(work, "R", spec)
+            replicas["L"] = _Replica(work, "L", {**spec, "engine": {
+                **spec["engine"], "enable_lmcache": True,
+                "lmcache_config_file": str(write_lmcache_config(policy, "L"))}})
+            replicas["Q"] = _Replica(work, "Q", {**spec, "policy": policy.to_dict()})
+            for name, rep in replicas.items():  # warm-up, dropped (Q's stored: its store path runs once)
+                rep.generate(_ids(512, 7), pause_s)
+            stored = 512 // CHUNK
+            seed, step = 0, 0
+            server_cpu0, t0 = _cpu_s(server.pid), time.monotonic()
+            for n in LENGTHS:
+                for _ in range(steps[n]):
+                    seed += 2
+                    a, b = _ids(n + 1, seed), _ids(n + 1, seed + 1)
+                    order = CALLS[step % 4:] + CALLS[:step % 4]
+                    step += 1
+                    row: dict[str, Any] = {"n": n, "order": list(order)}
+                    for call in order:
+                        if call == "Qb":
+                            out = replicas["Q"].generate(b, pause_s, load="never", store=False)
+                        else:
+                            out = replicas[call[0]].generate(a, pause_s)
+                        row[call] = {"seconds": out["seconds"], "token": out["token_ids"][0]}
+                    stored += n // CHUNK
+                    rows.append(row)
+                    sys.stdout.write(f"{n}: " + ", ".join(f"{c} {row[c]['seconds']:.2f} s" for c in CALLS) + "\n")
+                    sys.stdout.flush()
+            server_cores = (_cpu_s(server.pid) - server_cpu0) / (time.monotonic() - t0)
+            deadline = time.monotonic() + 60  # L stores the same prompts (under its own keys): twice the files
+            while _chunk_files(store) < 2 * stored and time.monotonic() < deadline:
+                time.sleep(0.1)
+            landed = _chunk_files(store)
+        finally:
+            results = {name: rep.close() for name, rep in replicas.items()}
+    q_stats = results["Q"]["stats"] or {}
+    return {"rows": rows, "server_cores": server_cores, "chunks_expected": 2 * stored, "q_tokens_expected": stored * CHUNK,
+            "chunk_files_on_medium": landed, "q_stats": {k: q_stats.get(k) for k in
+                                                         ("requests", "tokens_loaded", "tokens_stored")}}
 
-    for kind in ("RLQ" if rnd % 2 == 0 else "QLR"):
-        reqs = _requests(kind, rnd, pause_s)
-        tags = [r.pop("tag") for r in reqs]
-        if kind == "R":
-            result = run_replica(work, f"R{rnd}", model, None, reqs, engine_type="sglang", timeout=1800)
-        elif kind == "L":
-            shutil.rmtree(Path(policy.l2[0].base_path), ignore_errors=True)
-            engine = {"enable_lmcache": True, "lmcache_config_file": str(write_lmcache_config(policy, f"L{rnd}"))}
-            with LMCacheServer(policy, log_path=work / f"serverL{rnd}.log") as server:
-                cpu0, t0 = _cpu_s(server.pid), time.monotonic()
-                result = run_replica(work, f"L{rnd}", model, None, reqs, engine_type="sglang", timeout=1800,
-                                     engine=engine)
-                out["server_cores_L"] = (_cpu_s(server.pid) - cpu0) / (time.monotonic() - t0)
-        else:
-            shutil.rmtree(Path(policy.l2[0].base_path), ignore_errors=True)
-            with LMCacheServer(policy, log_path=work / f"server{rnd}.log") as server:
-                cpu0, t0 = _cpu_s(server.pid), time.monotonic()
-                result = run_replica(work, f"Q{rnd}", model, policy, reqs, engine_type="sglang", timeout=1800)
-                out["server_cores_Q"] = (_cpu_s(server.pid) - cpu0) / (time.monotonic() - t0)
-                expected = sum(len(r["prompt_token_ids"]) // CHUNK for r, t in zip(reqs, tags, strict=True)
-                               if "bypassed" not in t)
-                deadline = time.monotonic() + 60
-                while _chunk_files(Path(policy.l2[0].base_path)) < expected and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                out["chunks_expected"], out["chunks_on_medium"] = expected, _chunk_files(Path(policy.l2[0].base_path))
-                out["q_stats"] = {k: result["stats"].get(k) for k in ("requests", "tokens_loaded", "tokens_stored")}
-        out[kind] = [{"tag": t, "seconds": r["seconds"], "token": r["token_ids"][0],
-                      "storage_tokens": r["storage_tokens"]} for t, r in zip(tags, result["results"], strict=True)]
-        sys.stdout.write(f"round {rnd} {kind}: done\n")
-        sys.stdout.flush()
-    return out
 
-
-def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     med = statistics.median
     out: dict[str, Any] = {}
     for n in LENGTHS:
-        r = [x["seconds"] for rd in rounds for x in rd["R"] if x["tag"].startswith(f"{n}:")]
-        q = {how: [x["seconds"] for rd in rounds for x in rd["Q"] if x["tag"] == f"{n}:{how}"]
-             for how in ("stored", "bypassed")}
-        pairs = [s / b for rd in rounds for s, b in zip(
-            [x["seconds"] for x in rd["Q"] if x["tag"] == f"{n}:stored"],
-            [x["seconds"] for x in rd["Q"] if x["tag"] == f"{n}:bypassed"], strict=True)]
-        lm = [x["seconds"] for rd in rounds for x in rd["L"] if x["tag"].startswith(f"{n}:")]
+        mine = [r for r in rows if r["n"] == n]
+        s = {c: [r[c]["seconds"] for r in mine] for c in CALLS}
         out[str(n)] = {
-            "raw_s": {"median": med(r), "values": r},
-            "lmcache_s": {"median": med(lm), "values": lm},
-            "lmcache_over_raw": med(lm) / med(r),
-            "stored_s": {"median": med(q["stored"]), "values": q["stored"]},
-            "bypassed_s": {"median": med(q["bypassed"]), "values": q["bypassed"]},
-            "stored_over_raw": med(q["stored"]) / med(r),
-            "bypassed_over_raw": med(q["bypassed"]) / med(r),
-            "stored_over_bypassed_pairs": med(pairs),
-            "added_s": med(q["stored"]) - med(q["bypassed"]),
+            "median_s": {c: med(v) for c, v in s.items()}, "values_s": s,
+            "lmcache_over_raw": med(s["L"]) / med(s["R"]),
+            "stored_over_raw": med(s["Qs"]) / med(s["R"]),
+            "bypassed_over_raw": med(s["Qb"]) / med(s["R"]),
+            "stored_over_lmcache": med(s["Qs"]) / med(s["L"]),
+            "stored_over_bypassed_pairs": med(r["Qs"]["seconds"] / r["Qb"]["seconds"] for r in mine),
+            "stored_minus_raw_pairs_s": med(r["Qs"]["seconds"] - r["R"]["seconds"] for r in mine),
         }
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="steps at 1k tokens (half as many at 4k)")
     parser.add_argument("--pause", type=float, default=1.0, help="sleep before each request (s)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "sglang-miss-path.json")
     args = parser.parse_args()
@@ -163,29 +190,30 @@ def main() -> None:
                           load={"timeout_s": 600.0}, l2=[{"type": "fs", "base_path": str(work / "store"),
                                                            "create": True}])
     os.environ["PREFIXSHARE_CACHE_DIR"] = str(work / "cache")
+    steps = {1024: args.steps, 4096: max(1, args.steps // 2)}
     started = time.monotonic()
     try:
-        rounds = [_run_round(work, rnd, model, policy, args.pause) for rnd in range(args.rounds)]
+        measured = _measure(work, model, policy, steps, args.pause)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    mismatched = [(i, k, a["tag"]) for i, rd in enumerate(rounds) for k in "LQ"
-                  for a, b in zip(rd["R"], rd[k], strict=True) if a["token"] != b["token"]]
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True).stdout.strip())
+    rows = measured.pop("rows")
+    git = ["git", "-C", str(ROOT)]
     result = {
-        "run_id": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}", "commit": commit,
-        "dirty": dirty, "command": " ".join(["python", "benchmarks/sglang_miss_path.py", *sys.argv[1:]]),
-        "cpus": len(os.sched_getaffinity(0)), "rounds": args.rounds, "pause_s": args.pause, "pairs": PAIRS,
-        "wall_s": round(time.monotonic() - started, 1),
-        "stores_landed": all(rd["chunks_on_medium"] >= rd["chunks_expected"] for rd in rounds),
-        "first_tokens_differ": mismatched,
-        "server_cores": {k: statistics.median(rd[f"server_cores_{k}"] for rd in rounds) for k in "LQ"},
-        "per_length": _summary(rounds), "rounds_raw": rounds,
+        "run_id": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}",
+        "commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "dirty": bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                     text=True).stdout.strip()),
+        "command": " ".join(["python", "benchmarks/sglang_miss_path.py", *sys.argv[1:]]),
+        "cpus": len(os.sched_getaffinity(0)), "steps": steps, "pause_s": args.pause,
+        "wall_s": round(time.monotonic() - started, 1), **measured,
+        "stores_landed": measured["chunk_files_on_medium"] >= measured["chunks_expected"]
+        and measured["q_stats"]["tokens_stored"] == measured["q_tokens_expected"],
+        "first_tokens_differ": [(r["n"], c) for r in rows for c in ("L", "Qs") if r[c]["token"] != r["R"]["token"]],
+        "per_length": _summary(rows), "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    sys.stdout.write(json.dumps({k: v for k, v in result.items() if k != "rounds_raw"}, indent=1) + "\n")
+    sys.stdout.write(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
