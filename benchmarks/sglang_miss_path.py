@@ -1,7 +1,7 @@
 """What a miss costs on SGLang: the bench's P7 (cold TTFT with prefixshare attached / the raw engine's) for
 SGLang's CPU engine, which the bench (vLLM only) does not cover.
 
-    python benchmarks/sglang_miss_path.py [--steps 6] [--pause 1.0] [--out docs/benchmarks/sglang-miss-path.json]
+    python benchmarks/sglang_miss_path.py [--steps 6] [--pause 1.0] [--one-at-a-time ROUNDS] [--out FILE]
 
 Three SGLang replicas of the bench model are up side by side, and their requests alternate (which one goes
 first rotates from step to step), so drift on a shared machine falls on all of them alike:
@@ -21,6 +21,11 @@ request waits ``--pause`` seconds first, so what the previous request left runni
 server, its write to the medium) has ended: this measures what a miss's first token waits for, not what its
 store takes from the next request. The run checks that the stores happened (one chunk file per stored chunk of
 L and of Q, and Q's own count of tokens stored).
+
+``--one-at-a-time ROUNDS``: the same calls, but R, L and Q run one after another (the order rotating between
+rounds), each alone on the machine and with SGLang's default settings (an idle scheduler polls), which is how a
+user runs one replica; drift between the processes then shows as spread. Output: docs/benchmarks/
+sglang-miss-path.json (side by side) or sglang-miss-path-alone.json.
 
 SGLang's CPU engine needs the test-only ``sgl_kernel`` stand-in (tests/shims; see tests/e2e/common.py), so this
 script drives the test helper ``tests/helpers/sglang_replica.py`` in its interactive mode.
@@ -104,55 +109,94 @@ def _chunk_files(store: Path) -> int:
                and not p.name.startswith("."))
 
 
-def _measure(work: Path, model: Path, policy: Any, steps: dict[int, int], pause_s: float) -> dict[str, Any]:
+def _replica_specs(model: Path, policy: Any, idle_sleep: bool) -> dict[str, dict[str, Any]]:
     from prefixshare.adapters.sglang import write_lmcache_config
+
+    engine: dict[str, Any] = {"sleep_on_idle": True} if idle_sleep else {}
+    spec: dict[str, Any] = {"model": str(model), "policy": None, "engine": engine}
+    return {"R": spec, "Q": {**spec, "policy": policy.to_dict()},
+            "L": {**spec, "engine": {**engine, "enable_lmcache": True,
+                                     "lmcache_config_file": str(write_lmcache_config(policy, "L"))}}}
+
+
+def _call(replica: _Replica, call: str, step: tuple[int, list[int], list[int]], pause_s: float) -> dict[str, Any]:
+    _n, a, b = step
+    out = replica.generate(b, pause_s, load="never", store=False) if call == "Qb" else replica.generate(a, pause_s)
+    return {"seconds": out["seconds"], "token": out["token_ids"][0]}
+
+
+def _side_by_side(work: Path, specs: dict[str, dict[str, Any]], steps: list[tuple[int, list[int], list[int]]],
+                  pause_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """R, L and Q up at once, each step's calls in an order that rotates from step to step."""
+    rows: list[dict[str, Any]] = []
+    replicas: dict[str, _Replica] = {}
+    try:
+        for name, spec in specs.items():
+            replicas[name] = _Replica(work, name, spec)
+            replicas[name].generate(_ids(512, 7), pause_s)  # warm-up, dropped (Q's stored: its store path runs)
+        for i, step in enumerate(steps):
+            order = CALLS[i % 4:] + CALLS[:i % 4]
+            row: dict[str, Any] = {"n": step[0], "order": list(order)}
+            for call in order:
+                row[call] = _call(replicas[call[0]], call, step, pause_s)
+            rows.append(row)
+            sys.stdout.write(f"{step[0]}: " + ", ".join(f"{c} {row[c]['seconds']:.2f} s" for c in CALLS) + "\n")
+            sys.stdout.flush()
+    finally:
+        results = {name: rep.close() for name, rep in replicas.items()}
+    return rows, results["Q"]["stats"] or {}
+
+
+def _one_at_a_time(work: Path, specs: dict[str, dict[str, Any]], steps: list[tuple[int, list[int], list[int]]],
+                   pause_s: float, rounds: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per round, R, L and Q one after another (the order rotates between rounds), each computing its share of
+    the round's steps alone on the machine."""
+    rows = [{"n": step[0]} for step in steps]
+    q_stats: dict[str, Any] = {}
+    for rnd in range(rounds):
+        mine = range(rnd, len(steps), rounds)
+        for name in "RLQ"[rnd % 3:] + "RLQ"[:rnd % 3]:
+            replica = _Replica(work, f"{name}{rnd}", specs[name])
+            try:
+                replica.generate(_ids(512, 7 + rnd), pause_s)  # warm-up, dropped
+                for i in mine:
+                    for call in ("Qs", "Qb") if name == "Q" else (name,):
+                        rows[i][call] = _call(replica, call, steps[i], pause_s)
+            finally:
+                stats = replica.close()["stats"] or {}
+            if name == "Q":
+                q_stats = {k: q_stats.get(k, 0) + (stats.get(k) or 0) for k in ("requests", "tokens_loaded",
+                                                                                   "tokens_stored")}
+            sys.stdout.write(f"round {rnd} {name}: done\n")
+            sys.stdout.flush()
+    return rows, q_stats
+
+
+def _measure(work: Path, model: Path, policy: Any, steps: dict[int, int], pause_s: float,
+             rounds: int | None) -> dict[str, Any]:
     from prefixshare.server import LMCacheServer
 
     store = Path(policy.l2[0].base_path)
-    # SGLang's scheduler polls while idle unless told to sleep: three idle-polling replicas would take the cores
-    spec: dict[str, Any] = {"model": str(model), "policy": None, "engine": {"sleep_on_idle": True}}
-    rows: list[dict[str, Any]] = []
+    plan = [(n, _ids(n + 1, 2 * i), _ids(n + 1, 2 * i + 1)) for i, n in enumerate(
+        [n for n in LENGTHS for _ in range(steps[n])])]
+    specs = _replica_specs(model, policy, idle_sleep=rounds is None)
     with LMCacheServer(policy, log_path=work / "server.log") as server:
-        replicas: dict[str, _Replica] = {}
-        try:
-            replicas["R"] = _Replica(work, "R", spec)
-            replicas["L"] = _Replica(work, "L", {**spec, "engine": {
-                **spec["engine"], "enable_lmcache": True,
-                "lmcache_config_file": str(write_lmcache_config(policy, "L"))}})
-            replicas["Q"] = _Replica(work, "Q", {**spec, "policy": policy.to_dict()})
-            for name, rep in replicas.items():  # warm-up, dropped (Q's stored: its store path runs once)
-                rep.generate(_ids(512, 7), pause_s)
-            stored = 512 // CHUNK
-            seed, step = 0, 0
-            server_cpu0, t0 = _cpu_s(server.pid), time.monotonic()
-            for n in LENGTHS:
-                for _ in range(steps[n]):
-                    seed += 2
-                    a, b = _ids(n + 1, seed), _ids(n + 1, seed + 1)
-                    order = CALLS[step % 4:] + CALLS[:step % 4]
-                    step += 1
-                    row: dict[str, Any] = {"n": n, "order": list(order)}
-                    for call in order:
-                        if call == "Qb":
-                            out = replicas["Q"].generate(b, pause_s, load="never", store=False)
-                        else:
-                            out = replicas[call[0]].generate(a, pause_s)
-                        row[call] = {"seconds": out["seconds"], "token": out["token_ids"][0]}
-                    stored += n // CHUNK
-                    rows.append(row)
-                    sys.stdout.write(f"{n}: " + ", ".join(f"{c} {row[c]['seconds']:.2f} s" for c in CALLS) + "\n")
-                    sys.stdout.flush()
-            server_cores = (_cpu_s(server.pid) - server_cpu0) / (time.monotonic() - t0)
-            deadline = time.monotonic() + 60  # L stores the same prompts (under its own keys): twice the files
-            while _chunk_files(store) < 2 * stored and time.monotonic() < deadline:
-                time.sleep(0.1)
-            landed = _chunk_files(store)
-        finally:
-            results = {name: rep.close() for name, rep in replicas.items()}
-    q_stats = results["Q"]["stats"] or {}
-    return {"rows": rows, "server_cores": server_cores, "chunks_expected": 2 * stored, "q_tokens_expected": stored * CHUNK,
-            "chunk_files_on_medium": landed, "q_stats": {k: q_stats.get(k) for k in
-                                                         ("requests", "tokens_loaded", "tokens_stored")}}
+        server_cpu0, t0 = _cpu_s(server.pid), time.monotonic()
+        if rounds is None:
+            rows, q_stats = _side_by_side(work, specs, plan, pause_s)
+            warmups = 1
+        else:
+            rows, q_stats = _one_at_a_time(work, specs, plan, pause_s, rounds)
+            warmups = rounds
+        server_cores = (_cpu_s(server.pid) - server_cpu0) / (time.monotonic() - t0)
+        stored = warmups * 512 // CHUNK + sum(n // CHUNK for n, _a, _b in plan)
+        deadline = time.monotonic() + 60  # L stores the same prompts (under its own keys): twice the files
+        while _chunk_files(store) < 2 * stored and time.monotonic() < deadline:
+            time.sleep(0.1)
+        landed = _chunk_files(store)
+    return {"rows": rows, "server_cores": server_cores, "chunks_expected": 2 * stored,
+            "q_tokens_expected": stored * CHUNK, "chunk_files_on_medium": landed,
+            "q_stats": {k: q_stats.get(k) for k in ("requests", "tokens_loaded", "tokens_stored")}}
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -177,8 +221,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="steps at 1k tokens (half as many at 4k)")
     parser.add_argument("--pause", type=float, default=1.0, help="sleep before each request (s)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "sglang-miss-path.json")
+    parser.add_argument("--one-at-a-time", type=int, default=None, metavar="ROUNDS",
+                        help="run R, L and Q one after another, in ROUNDS rounds, with SGLang's default settings "
+                             "(no sleep_on_idle), instead of side by side")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.out is None:
+        name = "sglang-miss-path.json" if args.one_at_a_time is None else "sglang-miss-path-alone.json"
+        args.out = ROOT / "docs" / "benchmarks" / name
     from prefixshare.model import ensure_model
     from prefixshare.policies import Policy
 
@@ -193,7 +243,7 @@ def main() -> None:
     steps = {1024: args.steps, 4096: max(1, args.steps // 2)}
     started = time.monotonic()
     try:
-        measured = _measure(work, model, policy, steps, args.pause)
+        measured = _measure(work, model, policy, steps, args.pause, args.one_at_a_time)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = measured.pop("rows")
@@ -205,6 +255,7 @@ def main() -> None:
                                      text=True).stdout.strip()),
         "command": " ".join(["python", "benchmarks/sglang_miss_path.py", *sys.argv[1:]]),
         "cpus": len(os.sched_getaffinity(0)), "steps": steps, "pause_s": args.pause,
+        "mode": "side by side" if args.one_at_a_time is None else f"one at a time, {args.one_at_a_time} rounds",
         "wall_s": round(time.monotonic() - started, 1), **measured,
         "stores_landed": measured["chunk_files_on_medium"] >= measured["chunks_expected"]
         and measured["q_stats"]["tokens_stored"] == measured["q_tokens_expected"],
