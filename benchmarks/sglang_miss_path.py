@@ -55,6 +55,7 @@ CALLS = ("R", "L", "Qs", "Qb")
 
 
 def _ids(n: int, seed: int) -> list[int]:
+    """``n`` token ids; two prompts of the same seed share their first tokens (warm-ups use seeds of their own)."""
     rng = random.Random(seed)
     return [rng.randrange(16, 4000) for _ in range(n)]  # the bench model has 4,096 tokens
 
@@ -133,7 +134,7 @@ def _side_by_side(work: Path, specs: dict[str, dict[str, Any]], steps: list[tupl
     try:
         for name, spec in specs.items():
             replicas[name] = _Replica(work, name, spec)
-            replicas[name].generate(_ids(512, 7), pause_s)  # warm-up, dropped (Q's stored: its store path runs)
+            replicas[name].generate(_ids(512, 100_000), pause_s)  # warm-up, dropped (Q's stored: its store path runs)
         for i, step in enumerate(steps):
             order = CALLS[i % 4:] + CALLS[:i % 4]
             row: dict[str, Any] = {"n": step[0], "order": list(order)}
@@ -158,7 +159,7 @@ def _one_at_a_time(work: Path, specs: dict[str, dict[str, Any]], steps: list[tup
         for name in "RLQ"[rnd % 3:] + "RLQ"[:rnd % 3]:
             replica = _Replica(work, f"{name}{rnd}", specs[name])
             try:
-                replica.generate(_ids(512, 7 + rnd), pause_s)  # warm-up, dropped
+                replica.generate(_ids(512, 100_000 + rnd), pause_s)  # warm-up, dropped
                 for i in mine:
                     for call in ("Qs", "Qb") if name == "Q" else (name,):
                         rows[i][call] = _call(replica, call, steps[i], pause_s)
