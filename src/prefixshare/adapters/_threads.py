@@ -5,9 +5,10 @@ thread pool for as long as it lives. With two pools alive on a machine with few 
 threads than cores and stops spin-waiting between parallel regions, so every later parallel region of the
 engine waits to be woken: its forward passes and its own copies all slow down, for the life of the process.
 Measured on 2 cores: vLLM's copy of a load into its blocks took 1.7x as long after one store had run on a
-long-lived thread (benchmarks/hits_after_deferred_store.py); SGLang's prefills took 1.08-1.13x as long after
-LMCache's store executor had run one store (benchmarks/sglang_miss_path.py). A thread that ends takes its pool
-with it, so every copy here runs on a thread of its own.
+long-lived thread (benchmarks/hits_after_deferred_store.py); SGLang's prefills, bypassed ones too, took 1.06x
+(4k tokens) to 1.13x (1k) as long once LMCache's store executor had run a store (the first version of
+benchmarks/sglang_miss_path.py). A thread that ends takes its pool with it, so every copy here runs on a thread
+of its own.
 """
 
 from __future__ import annotations

@@ -152,6 +152,7 @@ def render_markdown(results: dict[str, Any], docs_path: Path) -> str:
     lines += _md_ttft(results, rows, lengths)
     lines += _md_miss(rows, lengths)
     lines += _md_miss_cpu(_lab_results(results, "miss-path.json"), _lab_results(results, "store-copy.json"))
+    lines += _md_miss_sglang([_lab_results(results, f"sglang-miss-path{s}.json") for s in ("-alone", "")])
     lines += _md_store(rows, lengths)
     lines += _md_sweep(results)
     lines += _md_overhead(rows, lengths)
@@ -730,6 +731,42 @@ def _plot_lab_choice(choice: dict[str, Any], out: Path) -> str | None:
 def _results_folder(results: dict[str, Any]) -> Path:
     return (Path(results["results_path"]).parent if results.get("results_path")
             else Path(str((results.get("settings") or {}).get("out", ""))))
+
+
+def _md_miss_sglang(runs: list[dict[str, Any] | None]) -> list[str]:
+    """P7 on SGLang (benchmarks/sglang_miss_path.py), when its results sit beside this run's."""
+    runs = [r for r in runs if r and r.get("per_length")]
+    if not runs:
+        return []
+    lines = [
+        "",
+        "### P7 on SGLang",
+        "",
+        "`python benchmarks/sglang_miss_path.py` (the bench drives vLLM only): SGLang's CPU engine computing fresh "
+        "prompts cold, one token each, a pause before every request so nothing a previous request left running "
+        "overlaps it. R: SGLang without prefixshare; L: SGLang with LMCache's own integration, every request a "
+        "stored miss; Q: prefixshare attached, a stored miss (Qs) and a bypassed request (Qb: no lookup, no "
+        "store) per step. *One at a time*: each replica alone on the machine with SGLang's defaults, the order "
+        "rotating between rounds; *side by side*: all three up at once (with `sleep_on_idle`, else an idle "
+        "scheduler polls and takes a core), the calls of each step in rotating order.",
+        "",
+        "| run | mode | n | R | L | Qs | Qb | L/R | Qs/R (goal) | Qb/R | Qs/Qb (pairs) | stores landed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        for n, r in sorted(run["per_length"].items(), key=lambda kv: int(kv[0])):
+            m = r["median_s"]
+            lines.append(f"| `{run['run_id']}` | {run.get('mode', 'side by side')} | {n} | {_ms(m['R'])} | "
+                         f"{_ms(m['L'])} | {_ms(m['Qs'])} | {_ms(m['Qb'])} | {r['lmcache_over_raw']:.3f}× | "
+                         f"{r['stored_over_raw']:.3f}× | {r['bypassed_over_raw']:.3f}× | "
+                         f"{r['stored_over_bypassed_pairs']:.3f}× | {'yes' if run['stores_landed'] else 'NO'} |")
+    lines += ["", "LMCache's SGLang connector copies a store's KV on a thread pool that lives as long as the engine; "
+              "prefixshare runs each such copy on a thread that ends with it (`prefixshare.adapters._threads`: a "
+              "long-lived thread keeps an OpenMP pool, which slows the engine's later parallel regions). With "
+              "the pool, the first version of this script (one at a time, 2 rounds) measured Qb/R 1.127× at 1k "
+              "tokens and 1.061× at 4k. Differences under about 5 % are within what these runs reproduce: L/R "
+              "moved between 0.98× and 1.13× from run to run."]
+    return lines
 
 
 def _lab_results(results: dict[str, Any], name: str = "lab.json") -> dict[str, Any] | None:
