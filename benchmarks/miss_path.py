@@ -44,21 +44,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from prefixshare.bench._procs import cpu_seconds, prompt_ids
+
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (1024, 4096)
 RUNS = {1024: 5, 4096: 3}
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(16, 4000) for _ in range(n)]  # the bench model has 4,096 tokens
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _q_session(work: Path, rnd: int, spec: dict[str, Any], server: Any, store: Path, bypass: dict[str, Any],
@@ -71,7 +61,7 @@ def _q_session(work: Path, rnd: int, spec: dict[str, Any], server: Any, store: P
 
     rows: dict[str, Any] = {n: {"stored": [], "bypassed": []} for n in LENGTHS}
     with ReplicaSession(work / "replicas", f"Q{rnd}", {**spec, "interactive": True, "steps": []}) as q:
-        q.run([{"op": "generate", "ids": _ids(512, 999_500 + rnd)}])
+        q.run([{"op": "generate", "ids": prompt_ids(512, 999_500 + rnd)}])
         expected = 512 // chunk
         _wait_chunks(store, expected)
         time.sleep(pause_s)
@@ -80,10 +70,10 @@ def _q_session(work: Path, rnd: int, spec: dict[str, Any], server: Any, store: P
                 pair = ["stored", "bypassed"] if i % 2 == 0 else ["bypassed", "stored"]
                 for kind in pair:
                     seed += 1
-                    step = {"op": "generate", "ids": _ids(n + 1, seed)}
+                    step = {"op": "generate", "ids": prompt_ids(n + 1, seed)}
                     if kind == "bypassed":
                         step["params"] = bypass
-                    engine0, server0, t0 = _cpu_s(q.proc.pid), _cpu_s(server.pid), time.perf_counter()
+                    engine0, server0, t0 = cpu_seconds(q.proc.pid), cpu_seconds(server.pid), time.perf_counter()
                     ttft = q.run([step])[0]["seconds"]
                     landed = None
                     if kind == "stored":
@@ -92,8 +82,8 @@ def _q_session(work: Path, rnd: int, spec: dict[str, Any], server: Any, store: P
                         landed = None if waited is None else time.perf_counter() - t0 - ttft
                     time.sleep(pause_s)
                     rows[n][kind].append({"ttft_s": ttft, "landed_after_first_token_s": landed,
-                                          "engine_cpu_s": _cpu_s(q.proc.pid) - engine0,
-                                          "server_cpu_s": _cpu_s(server.pid) - server0,
+                                          "engine_cpu_s": cpu_seconds(q.proc.pid) - engine0,
+                                          "server_cpu_s": cpu_seconds(server.pid) - server0,
                                           "window_s": time.perf_counter() - t0})
     return rows, seed
 
@@ -159,9 +149,9 @@ def main() -> None:
                         shutil.rmtree(work / "store", ignore_errors=True)
                         server.start()
                         if kind == "S":
-                            before = _cpu_s(server.pid)
+                            before = cpu_seconds(server.pid)
                             time.sleep(10)
-                            idle_cpu.append((_cpu_s(server.pid) - before) / 10)
+                            idle_cpu.append((cpu_seconds(server.pid) - before) / 10)
                     spec = {"model": str(model), "policy": policy.to_dict() if kind in "BPQ" else None,
                             "instance": f"miss-{kind}-{rnd}", "log_level": "WARNING", "engine": engine}
                     if kind == "Q":
@@ -173,11 +163,11 @@ def main() -> None:
                             f"bypassed {statistics.median(r['ttft_s'] for r in rows[n]['bypassed']):.2f} s"
                             for n in LENGTHS) + "\n")
                         continue
-                    steps = [{"op": "generate", "ids": _ids(512, 999_000 + rnd), "tag": "warmup"}]
+                    steps = [{"op": "generate", "ids": prompt_ids(512, 999_000 + rnd), "tag": "warmup"}]
                     for n in LENGTHS:
                         for i in range(RUNS[n]):
                             seed += 1
-                            step = {"op": "generate", "ids": _ids(n + 1, seed), "tag": f"{n}:{i}"}
+                            step = {"op": "generate", "ids": prompt_ids(n + 1, seed), "tag": f"{n}:{i}"}
                             if kind == "B":
                                 step["params"] = bypass
                             steps.append(step)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -47,22 +46,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from prefixshare.bench._procs import cpu_seconds, prompt_ids
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 LENGTHS = (1024, 4096)
 CHUNK = 256
 CALLS = ("R", "L", "Qs", "Qb")
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    """``n`` token ids; two prompts of the same seed share their first tokens (warm-ups use seeds of their own)."""
-    rng = random.Random(seed)
-    return [rng.randrange(16, 4000) for _ in range(n)]  # the bench model has 4,096 tokens
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _Replica:
@@ -134,7 +124,7 @@ def _side_by_side(work: Path, specs: dict[str, dict[str, Any]], steps: list[tupl
     try:
         for name, spec in specs.items():
             replicas[name] = _Replica(work, name, spec)
-            replicas[name].generate(_ids(512, 100_000), pause_s)  # warm-up, dropped (Q's stored: its store path runs)
+            replicas[name].generate(prompt_ids(512, 100_000), pause_s)  # warm-up, dropped (Q's stored: its store path runs)
         for i, step in enumerate(steps):
             order = CALLS[i % 4:] + CALLS[:i % 4]
             row: dict[str, Any] = {"n": step[0], "order": list(order)}
@@ -159,7 +149,7 @@ def _one_at_a_time(work: Path, specs: dict[str, dict[str, Any]], steps: list[tup
         for name in "RLQ"[rnd % 3:] + "RLQ"[:rnd % 3]:
             replica = _Replica(work, f"{name}{rnd}", specs[name])
             try:
-                replica.generate(_ids(512, 100_000 + rnd), pause_s)  # warm-up, dropped
+                replica.generate(prompt_ids(512, 100_000 + rnd), pause_s)  # warm-up, dropped
                 for i in mine:
                     for call in ("Qs", "Qb") if name == "Q" else (name,):
                         rows[i][call] = _call(replica, call, steps[i], pause_s)
@@ -178,18 +168,18 @@ def _measure(work: Path, model: Path, policy: Any, steps: dict[int, int], pause_
     from prefixshare.server import LMCacheServer
 
     store = Path(policy.l2[0].base_path)
-    plan = [(n, _ids(n + 1, 2 * i), _ids(n + 1, 2 * i + 1)) for i, n in enumerate(
+    plan = [(n, prompt_ids(n + 1, 2 * i), prompt_ids(n + 1, 2 * i + 1)) for i, n in enumerate(
         [n for n in LENGTHS for _ in range(steps[n])])]
     specs = _replica_specs(model, policy, idle_sleep=rounds is None)
     with LMCacheServer(policy, log_path=work / "server.log") as server:
-        server_cpu0, t0 = _cpu_s(server.pid), time.monotonic()
+        server_cpu0, t0 = cpu_seconds(server.pid), time.monotonic()
         if rounds is None:
             rows, q_stats = _side_by_side(work, specs, plan, pause_s)
             warmups = 1
         else:
             rows, q_stats = _one_at_a_time(work, specs, plan, pause_s, rounds)
             warmups = rounds
-        server_cores = (_cpu_s(server.pid) - server_cpu0) / (time.monotonic() - t0)
+        server_cores = (cpu_seconds(server.pid) - server_cpu0) / (time.monotonic() - t0)
         stored = warmups * 512 // CHUNK + sum(n // CHUNK for n, _a, _b in plan)
         deadline = time.monotonic() + 60  # L stores the same prompts (under its own keys): twice the files
         while _chunk_files(store) < 2 * stored and time.monotonic() < deadline:

@@ -16,6 +16,21 @@ from prefixshare.errors import PrefixShareError
 THROTTLE_MODULE, THROTTLE_CLASS = "prefixshare.bench._throttle", "ThrottledFSL2Adapter"
 
 
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """``n`` token ids the bench model knows (it has 4,096), from ``seed``: two prompts of one seed share their
+    first tokens, so prompts meant to miss take seeds of their own."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(16, 4000) for _ in range(n)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU seconds so far (user + system, its threads together)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def throttled_store_spec(base_path: str, *, chunk_delay_s: float = 0.0, read_gbps: float | None = None,
                          control_path: str | None = None) -> dict[str, Any]:
     """The ``--l2-adapter`` JSON object of a deliberately slow fs store on ``base_path`` (see
