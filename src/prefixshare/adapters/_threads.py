@@ -41,68 +41,72 @@ def on_own_thread(run: Callable[[], Any], name: str = "prefixshare-kv-copy") -> 
 
 class ThreadPerTaskExecutor(Executor):
     """A drop-in for ``ThreadPoolExecutor(max_workers)``: tasks start in the order they were submitted, at most
-    ``max_workers`` run at once, and each runs on a thread of its own that ends with it."""
+    ``max_workers`` run at once, and each runs on a thread of its own that ends with it (a task waiting for its
+    turn holds no thread)."""
 
     def __init__(self, max_workers: int, thread_name_prefix: str = "prefixshare-kv-copy") -> None:
         if max_workers < 1:
             raise ValueError("max_workers must be at least 1")
         self.max_workers = max_workers
         self._prefix = thread_name_prefix
-        self._cond = threading.Condition()
-        self._waiting: deque[Future[Any]] = deque()  # submitted, not started: in submission order
+        self._lock = threading.Lock()
+        self._waiting: deque[tuple[Future[Any], Callable[..., Any], tuple, dict]] = deque()
         self._threads: set[threading.Thread] = set()
-        self._running = 0
         self._shutdown = False
         self._count = itertools.count()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         future: Future[Any] = Future()
-        with self._cond:
+        with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            self._waiting.append(future)
+            self._waiting.append((future, fn, args, kwargs))
+            started = self._start_next()
+        for thread in started:
+            thread.start()
+        return future
+
+    def _start_next(self) -> list[threading.Thread]:
+        """Threads for the next waiting tasks while a slot is free (called holding the lock; started after)."""
+        started = []
+        while self._waiting and len(self._threads) < self.max_workers:
+            future, fn, args, kwargs = self._waiting.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while it waited
             thread = threading.Thread(target=self._run, args=(future, fn, args, kwargs), daemon=True,
                                       name=f"{self._prefix}_{next(self._count)}")
             self._threads.add(thread)
-        thread.start()
-        return future
+            started.append(thread)
+        return started
 
     def _run(self, future: Future[Any], fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        with self._cond:
-            while self._waiting[0] is not future or self._running >= self.max_workers:
-                self._cond.wait()
-            self._waiting.popleft()
-            self._cond.notify_all()  # the next one in line may start too, when a slot is free
-            start = future.set_running_or_notify_cancel()
-            if start:
-                self._running += 1
         try:
-            if start:
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as exc:  # noqa: BLE001 - the future carries it, as ThreadPoolExecutor's does
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - the future carries it, as ThreadPoolExecutor's does
+            future.set_exception(exc)
         finally:
-            with self._cond:
-                if start:
-                    self._running -= 1
+            with self._lock:
                 self._threads.discard(threading.current_thread())
-                self._cond.notify_all()
+                started = self._start_next()
+            for thread in started:
+                thread.start()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._cond:
+        with self._lock:
             self._shutdown = True
             if cancel_futures:
-                for future in self._waiting:
+                for future, *_ in self._waiting:
                     future.cancel()
-            threads = list(self._threads)
-        if wait:
+                self._waiting.clear()
+        while wait:
+            with self._lock:
+                threads = list(self._threads)
+            if not threads:
+                break
             for thread in threads:
                 thread.join()
 
     def live_threads(self) -> int:
-        """Threads of this executor alive now (running a task, or waiting for their turn)."""
-        with self._cond:
+        """Threads of this executor alive now (each running a task)."""
+        with self._lock:
             return len(self._threads)
