@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixshare.bench._procs import cpu_seconds, prompt_ids
+from prefixshare.bench._run import _chunk_files, _wait_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -93,11 +94,6 @@ class _Replica:
         finally:
             self.proc.wait(timeout=120)
             self.stderr.close()
-
-
-def _chunk_files(store: Path) -> int:
-    return sum(1 for p in store.rglob("*") if p.is_file() and not p.name.endswith((".tmp", ".json", ".corrupt"))
-               and not p.name.startswith("."))
 
 
 def _replica_specs(model: Path, policy: Any, idle_sleep: bool) -> dict[str, dict[str, Any]]:
@@ -181,9 +177,7 @@ def _measure(work: Path, model: Path, policy: Any, steps: dict[int, int], pause_
             warmups = rounds
         server_cores = (cpu_seconds(server.pid) - server_cpu0) / (time.monotonic() - t0)
         stored = warmups * 512 // CHUNK + sum(n // CHUNK for n, _a, _b in plan)
-        deadline = time.monotonic() + 60  # L stores the same prompts (under its own keys): twice the files
-        while _chunk_files(store) < 2 * stored and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_chunks(store, 2 * stored, timeout_s=60)  # L stores the same prompts (its own keys): twice the files
         landed = _chunk_files(store)
     return {"rows": rows, "server_cores": server_cores, "chunks_expected": 2 * stored,
             "q_tokens_expected": stored * CHUNK, "chunk_files_on_medium": landed,

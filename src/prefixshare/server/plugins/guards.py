@@ -25,6 +25,7 @@ from prefixshare._log import get_logger
 
 log = get_logger("prefixshare.server")
 
+
 class GuardError(RuntimeError):
     """LMCache's internals are not what a guard was written against."""
 
