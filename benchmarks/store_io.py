@@ -35,14 +35,22 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
 
 
-def _adapter_at(rev: str, scratch: Path) -> Any:
-    """prefixshare's checked fs adapter class as it was at ``rev``."""
-    path = scratch / "fs_before.py"
-    path.write_text(_git("show", f"{rev}:src/prefixshare/server/plugins/fs.py"))
-    spec = importlib.util.spec_from_file_location("prefixshare_fs_before", path)
+def _module_at(rev: str, scratch: Path, name: str) -> Any:
+    """``src/prefixshare/server/plugins/<name>.py`` as it was at ``rev``, loaded under another name."""
+    path = scratch / f"{name}_before.py"
+    path.write_text(_git("show", f"{rev}:src/prefixshare/server/plugins/{name}.py"))
+    spec = importlib.util.spec_from_file_location(f"prefixshare_{name}_before", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def _adapter_at(rev: str, scratch: Path) -> Any:
+    """prefixshare's checked fs adapter class as it was at ``rev``, with the integrity module of ``rev`` (its
+    digest and trailer), not this tree's."""
+    module = _module_at(rev, scratch, "fs")
+    module.integrity = _module_at(rev, scratch, "integrity")
     return module.CheckedFSL2Adapter
 
 

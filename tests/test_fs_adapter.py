@@ -233,3 +233,35 @@ def test_fsync_is_the_tier_configs_choice(tmp_path: Path, monkeypatch: pytest.Mo
 def test_bad_adapter_parameters_are_named(tmp_path: Path, params: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CheckedFSL2AdapterConfig.from_dict({"base_path": str(tmp_path), **params})
+
+
+def test_servers_writing_different_digests_load_each_others_chunks(tmp_path: Path) -> None:
+    """One store, two servers: one left at the default digest (xxh3), one told ``digest: blake3`` (a tier whose
+    integrity changed on some nodes first). Each writes its own digest and loads the other's chunks checked;
+    a flipped byte is refused under either; an unknown digest name is refused when the adapter is built."""
+    fast, slow = adapter(tmp_path), adapter(tmp_path, digest="blake3")
+    try:
+        ks_fast, ks_slow = keys(2, seed=1), keys(2, seed=2)
+        data_fast, data_slow = payloads(2, seed=1), payloads(2, seed=2)
+        assert store(fast, ks_fast, data_fast) == store(slow, ks_slow, data_slow) == 2 * CHUNK
+        algorithms = {f.name: f.read_bytes()[-integrity.TRAILER_BYTES + 5] for f in chunk_files(tmp_path)}
+        assert sorted(algorithms.values()) == [1, 1, 3, 3]  # blake3 twice, xxh3 twice
+        for reader in (fast, slow):
+            loaded, dst = load(reader, ks_fast + ks_slow)
+            assert loaded == [0, 1, 2, 3] and [bytes(o.byte_array) for o in dst] == data_fast + data_slow
+        victim = fast._key_to_path(ks_fast[0])
+        raw = bytearray(victim.read_bytes())
+        raw[CHUNK // 2] ^= 0x10
+        victim.write_bytes(raw)
+        victim_slow = slow._key_to_path(ks_slow[0])
+        raw = bytearray(victim_slow.read_bytes())
+        raw[CHUNK // 2] ^= 0x10
+        victim_slow.write_bytes(raw)
+        loaded, _ = load(slow, ks_fast + ks_slow)
+        assert loaded == [1, 3] and slow.report_status()["chunks_damaged"] == 2
+        assert fast.report_status()["integrity"] == "xxh3" and slow.report_status()["integrity"] == "blake3"
+    finally:
+        fast.close()
+        slow.close()
+    with pytest.raises(ValueError, match="xxh3"):
+        CheckedFSL2AdapterConfig.from_dict({"base_path": str(tmp_path), "digest": "md5"})

@@ -25,9 +25,9 @@ NAME = "prefixshare-0123456789abcdef0123@0x01000100@0@" + "ab" * 32 + ".data"
 OTHER = "prefixshare-0123456789abcdef0123@0x01000100@0@" + "cd" * 32 + ".data"
 
 
-def write_chunk(directory: Path, name: str, payload: bytes) -> Path:
+def write_chunk(directory: Path, name: str, payload: bytes, algorithm: str = "xxh3") -> Path:
     path = directory / name
-    path.write_bytes(payload + trailer(name, payload))
+    path.write_bytes(payload + trailer(name, payload, algorithm=algorithm))
     return path
 
 
@@ -41,13 +41,14 @@ def test_a_chunk_verifies_and_its_payload_size_excludes_the_trailer(tmp_path: Pa
     assert check(NAME, payload, path.read_bytes()[-TRAILER_BYTES:], path.stat().st_size) == "ok"
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3", "blake3"])
 @pytest.mark.parametrize(("damage", "verdict"), [
     ("flip", "digest-mismatch"), ("flip-digest", "digest-mismatch"), ("truncate", "unverified"),
     ("strip", "unverified"), ("rename", "digest-mismatch"), ("append", "unverified"), ("empty", "truncated"),
 ])
-def test_every_damage_is_refused(tmp_path: Path, damage: str, verdict: str) -> None:
+def test_every_damage_is_refused(tmp_path: Path, damage: str, verdict: str, algorithm: str) -> None:
     payload = os.urandom(4096)
-    path = write_chunk(tmp_path, NAME, payload)
+    path = write_chunk(tmp_path, NAME, payload, algorithm)
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[100] ^= 1
@@ -111,11 +112,12 @@ def test_forgeries_are_refused_by_a_keyed_reader(tmp_path: Path) -> None:
     evil = os.urandom(4096)
     keyed_tail = trailer(NAME, good, _ring(KEY))
     forged = {
-        "unkeyed": evil + trailer(NAME, evil),
+        "unkeyed": evil + trailer(NAME, evil, algorithm="xxh3"),
         "other-key": evil + trailer(NAME, evil, _ring(WRONG)),
         "digest-mismatch": evil + keyed_tail,
     }
-    for verdict, data in forged.items():
+    unkeyed_blake3 = evil + trailer(NAME, evil, algorithm="blake3")
+    for verdict, data in [*forged.items(), ("unkeyed", unkeyed_blake3)]:
         path = tmp_path / NAME
         path.write_bytes(data)
         assert verify_file(path, _ring(KEY)).verdict == verdict
@@ -163,13 +165,34 @@ def test_a_payload_hashed_in_pieces_gets_the_same_trailer_and_check(tmp_path: Pa
     and the check that reads it must accept it (and refuse one bit flipped)."""
     payload = os.urandom(3 * 65_536 + 123)
     keyring = Keyring.from_env("PS_PIECES_KEY", (), environ={"PS_PIECES_KEY": "ab" * 32})
-    for ring in (None, keyring):
-        hasher = TrailerHasher("ns@chunk.data", ring)
+    for ring, algorithm in ((None, "xxh3"), (None, "blake3"), (keyring, "xxh3")):
+        hasher = TrailerHasher("ns@chunk.data", ring, algorithm)
         for start in range(0, len(payload), 65_536):
             hasher.update(memoryview(payload)[start:start + 65_536])
         tail = hasher.trailer(len(payload))
-        assert tail == trailer("ns@chunk.data", payload, ring)
+        assert tail == trailer("ns@chunk.data", payload, ring, algorithm)
         size = len(payload) + TRAILER_BYTES
         assert check("ns@chunk.data", payload, tail, size, ring) == "ok"
         flipped = bytes([payload[0] ^ 1]) + payload[1:]
         assert check("ns@chunk.data", flipped, tail, size, ring) == "digest-mismatch"
+
+
+def test_a_store_written_under_both_digests_loads_both_and_names_what_it_does_not_know(tmp_path: Path) -> None:
+    """Servers of one store may write xxh3 and blake3 trailers (a store changing its digest): every reader
+    checks each chunk under the digest its trailer names. Each digest is its own: a blake3 trailer relabelled
+    xxh3 fails, and an algorithm this version does not know is a bad trailer, not a pass."""
+    payload = os.urandom(8192)
+    fast = write_chunk(tmp_path, NAME, payload, "xxh3")
+    slow = write_chunk(tmp_path, OTHER, payload, "blake3")
+    assert verify_file(fast).verdict == verify_file(slow).verdict == "ok"
+    xxh3_tail, blake3_tail = fast.read_bytes()[-TRAILER_BYTES:], slow.read_bytes()[-TRAILER_BYTES:]
+    assert xxh3_tail[5] == 3 and blake3_tail[5] == 1 and xxh3_tail[-16:] == bytes(16)
+    relabelled = bytearray(slow.read_bytes())
+    relabelled[-TRAILER_BYTES + 5] = 3
+    slow.write_bytes(relabelled)
+    assert verify_file(slow).verdict == "digest-mismatch"
+    relabelled[-TRAILER_BYTES + 5] = 9
+    slow.write_bytes(relabelled)
+    assert verify_file(slow).verdict == "bad-trailer"
+    with pytest.raises(ValueError, match="xxh3"):
+        trailer(NAME, payload, algorithm="crc32")

@@ -51,7 +51,7 @@ def test_default_policy_argv_is_accepted_by_lmcache(tmp_path: Path) -> None:
     adapters = storage.l2_adapter_config.adapters
     # the fs tier runs as prefixshare's checked fs adapter (integrity data), through LMCache's plugin type
     assert len(adapters) == 1 and adapters[0].adapter_params == {"base_path": str(tmp_path), "io_threads": 4,
-                                                                "fsync": False}
+                                                                "fsync": False, "digest": "xxh3"}
     assert (adapters[0].module_path, adapters[0].class_name) == ("prefixshare.server.plugins.fs", "CheckedFSL2Adapter")
     assert adapters[0].shared is True and adapters[0].persist_config.persist_enabled is True
 
@@ -77,7 +77,7 @@ def test_each_tier_renders_an_adapter_lmcache_parses(tmp_path: Path, kind: str) 
         raise
     if kind == "fs":
         assert parsed.adapter_params == {"base_path": str(tmp_path), "read_ahead_size": 1 << 20, "io_threads": 4,
-                                         "fsync": False}
+                                         "fsync": False, "digest": "xxh3"}
     if kind == "valkey":
         assert parsed.startup_nodes == [("127.0.0.1", 6379), ("127.0.0.1", 6380)]
         assert parsed.cluster_mode is True
@@ -372,6 +372,6 @@ def test_io_threads_and_fsync_belong_to_the_checked_adapter(tmp_path: Path) -> N
     assert params["io_threads"] == 8 and params["fsync"] is True
     with pytest.raises(PolicyError) as info:
         Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path), "integrity": "none", "fsync": True}])
-    assert "l2[0]" in str(info.value) and "set integrity: blake3, or drop io_threads / fsync" in str(info.value)
+    assert "l2[0]" in str(info.value) and "set integrity: xxh3 (the default), or drop io_threads / fsync" in str(info.value)
     with pytest.raises(PolicyError, match="io_threads"):
         Policy.build(l2=[{"type": "fs", "base_path": str(tmp_path), "io_threads": 0}])

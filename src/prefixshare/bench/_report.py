@@ -88,6 +88,11 @@ def _plot_ttft(plt: Any, results: dict[str, Any], label: str) -> Any:
     return fig
 
 
+def _digest(results: dict[str, Any]) -> str:
+    """The fs tier's digest in a run's results (runs before it was recorded hashed with blake3)."""
+    return str(results.get("integrity") or "blake3")
+
+
 def _plot_store(plt: Any, results: dict[str, Any], label: str) -> Any:
     rows = results["per_length"]
     lengths = sorted(int(n) for n in rows)
@@ -95,7 +100,7 @@ def _plot_store(plt: Any, results: dict[str, Any], label: str) -> Any:
     kinds = [("write", "write_gbps"), ("read, cache", "read_warm_gbps"), ("read, evicted", "read_evicted_gbps")]
     sources = [("raw", "tab:gray", "raw sequential"), ("fs_l2_plain", "tab:orange", "LMCache fs adapter"),
                ("fs_l2_native", "tab:green", "LMCache fs_native adapter"),
-               ("fs_l2", "tab:blue", "prefixshare fs tier (blake3)")]
+               ("fs_l2", "tab:blue", f"prefixshare fs tier ({_digest(results)})")]
     sources = [src for src in sources if src[0] in rows[str(lengths[0])]["io"]]
     width = 0.9 / (3 * len(sources))
     for j, (name, key) in enumerate(kinds):
@@ -193,7 +198,7 @@ def _md_header(results: dict[str, Any]) -> list[str]:
         f"**Model:** random-weight Llama, shape `{results['model']['shape']}`, fp32, "
         f"{results['model']['kv_bytes_per_token']:,} KV bytes per token; vLLM CPU backend (in-process engine, eager), "
         f"block size {s['block_size']}; LMCache MP server, chunk size {s['chunk_size']}, fs L2 tier on local disk "
-        f"(integrity {'on: blake3' if results.get('integrity_hashing') else 'off'}). Prompts are *n* + 1 tokens "
+        f"(integrity {'on: ' + _digest(results) if results.get('integrity_hashing') else 'off'}). Prompts are *n* + 1 tokens "
         "(*n* below), so a load and a prefix-cache hit both leave exactly one token to compute. "
         f"Medians of {s['runs']} runs (min–max in parentheses; every value in results.json) "
         f"(total {results['timings'].get('total_s', 0):.0f} s).",
@@ -257,7 +262,7 @@ def _md_ttft(results: dict[str, Any], rows: dict[str, Any], lengths: list[int]) 
         "asked the same prompt again at once — the whole prefix is in its own KV cache, one token is computed; "
         "measured right after each warm request, in the same process. *Floor*: one token + the KV bytes through "
         "each stage of the copy path at that stage's best measured bandwidth in this run (the medium's raw "
-        "sequential read, blake3 when the tier checks integrity, one copy into the engine's memory; breakdown "
+        f"sequential read, the {_digest(results)} digest when the tier checks integrity, one copy into the engine's memory; breakdown "
         "below). A warm request more than 5 % under its floor fails the run: the floor would not be a bound.",
         "",
         "| n | KV MB | raw cold | warm | raw cold/warm | one token | floor | warm/floor |"
@@ -277,8 +282,8 @@ def _md_ttft(results: dict[str, Any], rows: dict[str, Any], lengths: list[int]) 
         "",
         "The floor's terms (ms) and the bandwidths they use (GB/s, the best of the run's repetitions):",
         "",
-        "| n | one token | read (page cache) | read (evicted) | blake3 | copy | read GB/s cache / evicted | blake3 GB/s "
-        "| copy GB/s |",
+        f"| n | one token | read (page cache) | read (evicted) | {_digest(results)} | copy | read GB/s cache / evicted "
+        f"| {_digest(results)} GB/s | copy GB/s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for n in lengths:
@@ -397,7 +402,7 @@ def _md_store(rows: dict[str, Any], lengths: list[int]) -> list[str]:
         "The MP server's fs L2 adapters driven directly (no engine), one file per chunk, written without fsync like "
         "the server does: *LMCache fs*: LMCache's plain Python fs adapter; *LMCache fs_native*: LMCache's native "
         "(C++) fs adapter, 4 worker threads, no integrity check; *prefixshare*: the fs tier's adapter (LMCache's "
-        "file layout, a pool of 4 I/O threads, and the integrity digest: blake3 over every chunk, on store and on "
+        f"file layout, a pool of 4 I/O threads, and the integrity digest: {_digest(results)} over every chunk, on store and on "
         "load; `integrity: none` drops it). *Raw*: one file of the same total size, sequential `write`/`readinto`. "
         "The goal is judged on prefixshare's adapter, the one users get.",
         "",
@@ -860,7 +865,7 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
         out += [
             "**The fs L2 path (P3).** The fs tier writes and reads one file per chunk (LMCache's file layout: "
             "`lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py`) through a pool of 4 I/O threads, and hashes "
-            "every chunk with blake3 in the thread that writes or reads it (blake3's rate in this run is in the "
+            f"every chunk with {_digest(results)} in the thread that writes or reads it (its rate in this run is in the "
             "floor's table above); the raw reference is one sequential "
             "stream over one file (larger kernel read-ahead, no per-file work); the ratios per length are in the "
             "P3 table, LMCache's plain and native (C++, worker threads, no integrity check) adapters beside ours.",

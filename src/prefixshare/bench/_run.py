@@ -200,6 +200,10 @@ class Bench:
             fields["l2"] = [{"type": "fs", "base_path": str(store or self.store), "create": True}]
         return Policy.build(**fields)
 
+    def _digest(self) -> str:
+        """The digest the run's fs tier checks chunks with (its ``integrity``; ``none``: unchecked)."""
+        return str(self._policy().l2[0].integrity)
+
     def replica_spec(self, name: str, policy: Any, **extra: Any) -> dict[str, Any]:
         """A replica's spec (:mod:`prefixshare.bench._replica`): the bench's model and engine, ``policy`` (None: the
         raw engine), ``extra`` fields (steps, interactive, log level, ...)."""
@@ -288,6 +292,7 @@ class Bench:
         t0 = time.perf_counter()
         io: dict[str, Any] = {}
         chunk_bytes = s.chunk_size * kvb
+        digest = self._digest() if self._digest() != "none" else "xxh3"
         for n in s.lengths:
             size = n * kvb
             io[str(n)] = {"raw": raw_io(self.work / "io", size, s.runs),
@@ -296,7 +301,7 @@ class Bench:
                                                   kind="plain"),
                           "fs_l2_native": fs_l2_io(self.work / "io-l2-native", chunk_bytes, n // s.chunk_size,
                                                    s.runs, kind="native"),
-                          "copy": copy_path(size, chunk_bytes, s.runs)}
+                          "copy": copy_path(size, chunk_bytes, s.runs, digest=digest)}
         self.timings["io_s"] = round(time.perf_counter() - t0, 1)
         return io
 
@@ -539,6 +544,7 @@ class Bench:
             # how KV moves between the engines and the server (the policy's server.shm_name)
             "transport": "shared memory" if self._policy().server.shm_segment else "pickle",
             "integrity_hashing": hashing,
+            "integrity": self._digest(),
             "machine": info, "load_average_end": load_end,
             "model": {"shape": s.shape, "path": str(self.model), "kv_bytes_per_token": kvb},
             "kv_bytes_per_token": {"measured": kv_measured, "plan": predicted,
@@ -663,7 +669,7 @@ def _wait_chunks(store: Path, expected: int, timeout_s: float = 120.0) -> float 
 def _floor(kv_bytes: int, one_token_s: float, io: dict[str, Any], hashing: bool, *, evicted: bool) -> dict[str, Any]:
     """P2's floor: the replica's own one-token TTFT with the prefix cached (measured) + the KV bytes through each
     stage of the copy path at that stage's best measured bandwidth: the medium's raw sequential read (page cache
-    or evicted), blake3 (when the tier checks integrity: it hashes each chunk in the thread that read it, after
+    or evicted), the digest (when the tier checks integrity: it hashes each chunk in the thread that read it, after
     the read) and one copy into the engine's memory. The server reads the chunks from L2 during the lookup and
     the engine copies them after it, so the stages add; each at its best, so the sum cannot be beaten."""
     read = max(io["raw"]["read_evicted_gbps" if evicted else "read_warm_gbps"]["values"]) * 1e9

@@ -278,7 +278,7 @@ def check_integrity(report: DoctorReport, policy: Policy, *, verify: bool) -> No
                    damaged=objects, verified=verify)
     elif unchecked:
         report.add("integrity", WARN, f"no integrity checks on {', '.join(unchecked)}: a damaged chunk would be "
-                   "loaded as it is", "set integrity: blake3 on the tier (the default)", verified=verify)
+                   "loaded as it is", "set integrity: xxh3 on the tier (the default)", verified=verify)
     else:
         report.add("integrity", OK, f"no damaged objects ({how})", damaged=[], verified=verify)
 

@@ -205,7 +205,7 @@ class DamagedChunk:
 def damaged_chunks(policy: Policy, *, verify: bool = True, scan: StoreScan | None = None,
                    uncheckable: list[DamagedChunk] | None = None) -> list[DamagedChunk]:
     """Chunk files of prefixshare namespaces that no engine will load: those the server quarantined on load
-    and, with ``verify``, every file of a checked fs tier (``integrity: blake3``) whose digest fails (this
+    and, with ``verify``, every file of a checked fs tier (``integrity`` not ``none``) whose digest fails (this
     reads every byte of the store once), under the tier's keys when it is keyed (read from this process's
     environment). Keyed chunks this process holds no key for are not damaged: they go to ``uncheckable``
     when a list is given (never to gc)."""

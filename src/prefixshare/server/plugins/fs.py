@@ -22,16 +22,18 @@ from that environment variable of the server's process when the adapter starts (
 ``accept_key_envs`` names further keys accepted for reading (a rotation). A chunk this server cannot check
 because it holds no key (``keyed``) is not loaded and left in place; every other refusal is quarantined.
 
-The digest costs one blake3 pass over the bytes on store and on load (GB/s per core; measured in
-docs/benchmarks.md).
+The digest costs one pass over the bytes on store and on load: XXH3-128 by default (``digest: xxh3``, about
+a quarter of a memory copy's cost), blake3 when the tier says ``integrity: blake3`` or when digests are keyed
+(about a memory copy's cost; rates in docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import secrets
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +68,15 @@ class CheckedFSL2AdapterConfig(FSL2AdapterConfig):
     """LMCache's fs adapter fields (``base_path``, ``relative_tmp_dir``, ``read_ahead_size``,
     ``use_odirect``; O_DIRECT is not used by this adapter: the trailer breaks block alignment), plus the names
     of the store key variables (``key_env``, ``accept_key_envs``), the chunks moved at once (``io_threads``) and
-    whether each chunk is fsynced before it is published (``fsync``). LMCache's plugin loader builds it from
-    the adapter's parameters by this class's name."""
+    whether each chunk is fsynced before it is published (``fsync``), and the unkeyed digest new chunks get
+    (``digest``: ``xxh3`` or ``blake3``; keyed digests are always blake3's). LMCache's plugin loader builds it
+    from the adapter's parameters by this class's name."""
 
     key_env: str | None = None
     accept_key_envs: tuple[str, ...] = ()
     io_threads: int = DEFAULT_IO_THREADS
     fsync: bool = False
+    digest: str = integrity.DEFAULT_ALGORITHM
 
     @classmethod
     def from_dict(cls, d: dict) -> CheckedFSL2AdapterConfig:
@@ -92,6 +96,9 @@ class CheckedFSL2AdapterConfig(FSL2AdapterConfig):
         if not isinstance(fsync, bool):
             raise ValueError("fsync must be true or false")
         config.io_threads, config.fsync = io_threads, fsync
+        digest = d.get("digest", integrity.DEFAULT_ALGORITHM)
+        integrity.algorithm_id(digest)  # ValueError naming the choices
+        config.digest = digest
         return config
 
 
@@ -108,13 +115,41 @@ class CheckedFSL2Adapter(FSL2Adapter):
         config.use_odirect = False
         self.io_threads = int(getattr(config, "io_threads", DEFAULT_IO_THREADS))
         self.fsync = bool(getattr(config, "fsync", False))
-        #: the threads that hash and move chunk bytes (blake3 and file I/O release the GIL)
-        self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="prefixshare-fs-io")
+        self.digest = str(getattr(config, "digest", integrity.DEFAULT_ALGORITHM))
+        #: the threads that hash and move chunk bytes (both digests and file I/O release the GIL)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.io_threads, thread_name_prefix="prefixshare-fs-io")
         super().__init__(config)
         self.damaged = 0  # chunks refused on load since start
         self.verified = 0
         self.uncheckable = 0  # keyed chunks this server holds no key for (not loaded, left in place)
         self._log = log.bind(base_path=str(self._base_path))
+
+    def _map_in_pool(self, fn: Any, calls: list[tuple[Any, ...]]) -> asyncio.Future:
+        """``fn(*args)`` for every ``args`` in ``calls`` on the I/O threads, ``io_threads`` at a time; a future of
+        the loop with every result or exception, in order. The loop is woken once, when the last call ends (a
+        wake-up per chunk costs more than a small request's reads on a busy core)."""
+        done: asyncio.Future = self._loop.create_future()
+        results: list[Any] = [None] * len(calls)
+        left = [len(calls)]
+        lock = threading.Lock()
+
+        def finished(i: int, future: Any) -> None:
+            if future.cancelled():  # the pool shut down (close) before the call ran
+                results[i] = concurrent.futures.CancelledError()
+            else:
+                exc = future.exception()
+                results[i] = exc if exc is not None else future.result()
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._loop.call_soon_threadsafe(lambda: done.done() or done.set_result(results))
+
+        if not calls:
+            done.set_result(results)
+        for i, args in enumerate(calls):
+            self._pool.submit(fn, *args).add_done_callback(lambda f, i=i: finished(i, f))
+        return done
 
     # ---- store ----------------------------------------------------------------------------------------
 
@@ -130,7 +165,7 @@ class CheckedFSL2Adapter(FSL2Adapter):
         written, while it is in the CPU's cache); 0 when it is already there, else its file's size."""
         if final.exists():
             return 0
-        hasher = integrity.TrailerHasher(final.name, self.keyring)
+        hasher = integrity.TrailerHasher(final.name, self.keyring, self.digest)
         tmp = self._temp_path(tmp)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
@@ -157,14 +192,9 @@ class CheckedFSL2Adapter(FSL2Adapter):
 
     async def _execute_store(self, keys: list[Any], objects: list[Any], task_id: Any) -> None:  # type: ignore[override]
         """A request's chunks are written ``io_threads`` at a time, each hashed in the thread that writes it."""
-
-        async def one(key: Any, obj: Any) -> int:
-            final, tmp = self._key_to_file_and_tmp_path(key)
-            payload = memoryview(obj.byte_array).cast("B")
-            return await self._loop.run_in_executor(self._pool, self._store_chunk, final, tmp, payload)
-
-        results = await asyncio.gather(*(one(k, o) for k, o in zip(keys, objects, strict=True)),
-                                       return_exceptions=True)
+        calls = [(*self._key_to_file_and_tmp_path(k), memoryview(o.byte_array).cast("B"))
+                 for k, o in zip(keys, objects, strict=True)]
+        results = await self._map_in_pool(self._store_chunk, calls)
         success, written = True, 0
         stored_keys: list[Any] = []
         stored_sizes: list[int] = []
@@ -200,7 +230,7 @@ class CheckedFSL2Adapter(FSL2Adapter):
             if got < n:
                 return "truncated"
             tail = f.read(integrity.TRAILER_BYTES)
-        # blake3 (~4-8 GB/s a core) is the cost, not the read
+        # the digest named by the trailer, whatever this server writes (a store can change algorithm)
         return integrity.check(path.name, dst, tail, size, self.keyring)
 
     @staticmethod
@@ -230,16 +260,13 @@ class CheckedFSL2Adapter(FSL2Adapter):
                           action="not loaded; the engine recomputes from this chunk")
 
     async def _execute_load(self, keys: list[Any], objects: list[Any], task_id: Any) -> None:  # type: ignore[override]
-        """Every chunk of the request is read ahead at once, then read and checked ``io_threads`` at a time."""
+        """Every chunk of the request is read ahead at once (when there are more than ``io_threads``), then read and
+        checked ``io_threads`` at a time."""
         paths = [self._key_to_path(key) for key in keys]
-        if len(paths) > 1:
+        if len(paths) > self.io_threads:  # else every read starts at once anyway: no thread hop before them
             await self._loop.run_in_executor(self._pool, self._will_need, paths)
-
-        async def one(i: int) -> integrity.Verdict:
-            dst = memoryview(objects[i].byte_array).cast("B")
-            return await self._loop.run_in_executor(self._pool, self._read_checked, paths[i], dst)
-
-        verdicts = await asyncio.gather(*(one(i) for i in range(len(keys))), return_exceptions=True)
+        verdicts = await self._map_in_pool(
+            self._read_checked, [(p, memoryview(o.byte_array).cast("B")) for p, o in zip(paths, objects, strict=True)])
         bitmap = Bitmap(len(keys))
         for i, (path, verdict) in enumerate(zip(paths, verdicts, strict=True)):
             if isinstance(verdict, FileNotFoundError):
@@ -270,6 +297,6 @@ class CheckedFSL2Adapter(FSL2Adapter):
     def report_status(self) -> dict[str, Any]:
         status = super().report_status()
         status.update(type="prefixshare.CheckedFSL2Adapter",
-                      integrity="blake3-keyed" if self.keyring is not None else "blake3",
+                      integrity="blake3-keyed" if self.keyring is not None else self.digest,
                       chunks_verified=self.verified, chunks_damaged=self.damaged, chunks_uncheckable=self.uncheckable)
         return status
