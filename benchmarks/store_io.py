@@ -42,6 +42,7 @@ def _module_at(rev: str, scratch: Path, name: str) -> Any:
     spec = importlib.util.spec_from_file_location(f"prefixshare_{name}_before", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
