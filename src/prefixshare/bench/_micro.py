@@ -69,6 +69,14 @@ def _gpu() -> str | None:
         return None
 
 
+def _sync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def evict(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -168,6 +176,8 @@ def fs_l2_round(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, pa
     if int(done[task]) < 0:  # LMCache's L2StoreResult: bytes written, or -1
         raise RuntimeError("fs L2 store task failed")
     dst = [_Obj(chunk_bytes) for _ in range(chunks)]
+    for f in set(_files(directory)) - before:  # written back, as raw_io's file is before its timed reads
+        _sync(f)
     reads: list[float] = []
     for evicted in (False, True):
         if evicted:
