@@ -511,7 +511,7 @@ def test_tier_throughput_bench(request: pytest.FixtureRequest, tmp_path: Path) -
     s3_ = _optional_fixture(request, "s3", full)
     mooncake_ = _optional_fixture(request, "mooncake", full)
     tiers: list[dict[str, Any]] = []
-    for name, integrity in (("fs-checked", "blake3"), ("fs-plain", "none")):
+    for name, integrity in (("fs-xxh3", "xxh3"), ("fs-blake3", "blake3"), ("fs-plain", "none")):
         (tmp_path / name).mkdir()
         tiers.append({"type": "fs", "base_path": str(tmp_path / name), "integrity": integrity})
     if redis_:
@@ -540,8 +540,8 @@ def test_tier_throughput_bench(request: pytest.FixtureRequest, tmp_path: Path) -
         if t["type"] in ("fs", "resp"):
             assert t["raw"]["store_mbps"]["median"] > 0 and t["raw"]["load_mbps"]["median"] > 0, t
             assert all(r > 0 for r in t["adapter_over_raw"].values()), t
-    assert [t["adapter"] for t in results["tiers"][:2]] == ["prefixshare.server.plugins.fs.CheckedFSL2Adapter",
-                                                           "lmcache fs"]
+    checked = "prefixshare.server.plugins.fs.CheckedFSL2Adapter"
+    assert [t["adapter"] for t in results["tiers"][:3]] == [checked, checked, "lmcache fs"]
     print("FIGURES tiers: " + "; ".join(
         f"{t['tier']} store {t['store_mbps']['median']:.0f} / load {t['load_mbps']['median']:.0f} MB/s"
         for t in results["tiers"]))

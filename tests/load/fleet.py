@@ -405,6 +405,37 @@ def drive(fleet: Fleet, source: Any, texts: dict[str, str] | Callable[[str], str
     return Run(fleet.tag, fleet.prefixshare, duration_s, concurrency, answers, faults.log)
 
 
+def seed(fleet: Fleet, texts: dict[str, str], docs_by_replica: dict[str, list[str]], timeout_s: float = 60.0) -> int:
+    """Before a run: each replica answers its documents once per tenant (question 0, one request at a time), so
+    their KV is in the shared store from the run's first second and the *other* replica can load them then,
+    instead of only in the windows the faults leave. Returns the chunk files in the store once they stop
+    changing for 0.5 s (the stores land after the answers), waiting at most ``timeout_s``."""
+    model = served_model(next(iter(fleet.nodes.values())).url)
+
+    async def all_of() -> None:
+        for name, docs in docs_by_replica.items():
+            client = client_for(fleet.nodes[name].url)
+            try:
+                for doc in docs:
+                    for tenant in TENANTS:
+                        ans = await ask(client, model, Request(-1, doc, tenant, 0, name), texts[doc], prefixshare=True,
+                                        t0=time.monotonic())
+                        assert ans.error is None, ans.error
+            finally:
+                await client.close()
+
+    asyncio.run(all_of())
+    deadline, count, since = time.monotonic() + timeout_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = len(list(fleet.store.rglob("*.data")))
+        if now != count:
+            count, since = now, time.monotonic()
+        elif time.monotonic() - since >= 0.5:
+            break
+        time.sleep(0.05)
+    return count
+
+
 def client_for(url: str) -> Any:
     """An OpenAI client with no retries (every failure counts) whose idle connections expire before the server's
     (vLLM's uvicorn closes them after 5 s; httpx's default expiry is also 5 s, and a request sent on a connection

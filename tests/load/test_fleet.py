@@ -1,6 +1,7 @@
 """The fleet load test's CI subset (see tests/load/fleet.py): two ``vllm serve`` replicas, each with its node's MP
 server, on one shared fs store; 16 concurrent chat clients for 45 s over 30 documents with Zipf popularity
-and two tenants; the store unreadable from 8 s to 18 s, then node A's MP server restarted (at 20 s, or when
+and two tenants (each node first answers three of the six most popular documents, for both tenants, so that
+each can load the other's from the first second); the store unreadable from 8 s to 18 s, then node A's MP server restarted (at 20 s, or when
 the window has closed: faults run one after another); sampled verification on for every store hit (``verify.sample:
 1``: most requests hit the replica's own prefix cache, so a run has only a handful of store loads, and a fifth of
 them was sometimes none), replayed through ``prefixshare verify --url`` afterwards.
@@ -29,6 +30,7 @@ from load.fleet import (
     during,
     node_stats,
     references,
+    seed,
     summarize,
     verify_nodes,
 )
@@ -39,6 +41,8 @@ DURATION_S = 45.0
 CONCURRENCY = 16
 UNREADABLE_AT_S, UNREADABLE_S = 8.0, 10.0
 RESTART_AT_S = 20.0  # a restart under load can take 30-50 s (the new server's imports share two cores)
+#: documents each node computes before the run (the most popular six under the run's Zipf ranking)
+SEEDED = {"a": ["doc00", "doc02", "doc04"], "b": ["doc01", "doc03", "doc05"]}
 VERIFY_SAMPLE = 1.0  # every store hit: a run has 5-20 of them, and each replay costs about a second
 
 
@@ -72,11 +76,14 @@ def loaded(work: Path, model: Path, texts: dict[str, str], refs: dict[Any, Any])
         faults.at(RESTART_AT_S, "mp_server_restart", lambda: faults.restart_server("a"))
 
     with Fleet(work, model, prefixshare=True, tag="load", verify_sample=VERIFY_SAMPLE) as fleet:
+        # each node computes three popular documents first, so that each can load the other's from the start: on a
+        # slow box node A's restarted server may not be back before the run ends, leaving A only the first 8 s
+        seeded = seed(fleet, texts, SEEDED)
         run = drive(fleet, Zipf(list(texts), seed=1), texts, duration_s=DURATION_S, concurrency=CONCURRENCY,
                     schedule=schedule)
         run.stats = node_stats(fleet)
         verification = verify_nodes(fleet)
-        yield {"run": run, "summary": summarize(run, refs), "verification": verification}
+        yield {"run": run, "summary": summarize(run, refs), "verification": verification, "seeded_chunks": seeded}
 
 
 def test_every_request_is_answered_and_every_answer_is_the_cold_one(loaded: dict[str, Any]) -> None:
@@ -89,6 +96,7 @@ def test_every_request_is_answered_and_every_answer_is_the_cold_one(loaded: dict
 
 def test_both_replicas_loaded_what_the_other_computed(loaded: dict[str, Any]) -> None:
     connector = loaded["summary"]["connector"]
+    assert loaded["seeded_chunks"] > 0  # the seed requests were stored
     for name in ("a", "b"):
         assert connector[name]["hits"] > 0 and connector[name]["tokens_loaded"] > 0, connector
         assert connector[name]["tokens_stored"] > 0, connector

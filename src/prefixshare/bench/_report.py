@@ -158,7 +158,7 @@ def render_markdown(results: dict[str, Any], docs_path: Path) -> str:
     lines += _md_miss(rows, lengths)
     lines += _md_miss_cpu(_lab_results(results, "miss-path.json"), _lab_results(results, "store-copy.json"))
     lines += _md_miss_sglang([_lab_results(results, f"sglang-miss-path{s}.json") for s in ("-alone", "")])
-    lines += _md_store(rows, lengths)
+    lines += _md_store(rows, lengths, _digest(results))
     lines += _md_sweep(results)
     lines += _md_overhead(rows, lengths)
     lines += _md_prewarm(rows, slow)
@@ -386,7 +386,7 @@ def _md_miss_cpu(mp: dict[str, Any] | None, copy: dict[str, Any] | None) -> list
     return lines
 
 
-def _md_store(rows: dict[str, Any], lengths: list[int]) -> list[str]:
+def _md_store(rows: dict[str, Any], lengths: list[int], digest: str) -> list[str]:
     """P3: the fs tier's adapters vs raw sequential I/O, per length."""
     native = all("fs_l2_native" in rows[str(n)]["io"] for n in lengths)
     sources = ["raw", "fs_l2_plain", *(["fs_l2_native"] if native else []), "fs_l2"]
@@ -402,7 +402,7 @@ def _md_store(rows: dict[str, Any], lengths: list[int]) -> list[str]:
         "The MP server's fs L2 adapters driven directly (no engine), one file per chunk, written without fsync like "
         "the server does: *LMCache fs*: LMCache's plain Python fs adapter; *LMCache fs_native*: LMCache's native "
         "(C++) fs adapter, 4 worker threads, no integrity check; *prefixshare*: the fs tier's adapter (LMCache's "
-        f"file layout, a pool of 4 I/O threads, and the integrity digest: {_digest(results)} over every chunk, on store and on "
+        f"file layout, a pool of 4 I/O threads, and the integrity digest: {digest} over every chunk, on store and on "
         "load; `integrity: none` drops it). *Raw*: one file of the same total size, sequential `write`/`readinto`. "
         "The goal is judged on prefixshare's adapter, the one users get.",
         "",

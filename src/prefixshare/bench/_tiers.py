@@ -82,7 +82,7 @@ def adapter_spec(tier: Any) -> str:
 def label(tier: Any) -> str:
     """A short name for a tier in tables: its type, plus what changes the fs tier's path (integrity)."""
     if tier.type == "fs":
-        return f"fs (integrity: {getattr(tier, 'integrity', 'blake3')})"
+        return f"fs (integrity: {tier.integrity})"
     return str(tier.type)
 
 
@@ -559,6 +559,21 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _integrity_cost(checked: dict[str, Any], plain: dict[str, Any], digest: str) -> str:
+    """One line: a checked fs tier's medians over the plain adapter's."""
+    keys = {"store_mbps": "store", "load_mbps": "load from the page cache", "load_evicted_mbps": "load from the device"}
+
+    def overlap(k: str) -> bool:
+        return checked[k]["min"] <= plain[k]["max"] and plain[k]["min"] <= checked[k]["max"]
+
+    parts = [f"{what} {checked[k]['median'] / plain[k]['median']:.2f}x"
+             f"{' (min–max ranges overlap)' if overlap(k) else ''}" for k, what in keys.items()]
+    return (f"- *fs, integrity {digest} vs off* (median of the checked adapter over the plain one): "
+            f"{', '.join(parts)}. The checked adapter adds one {digest} pass per chunk on store and on load, and "
+            "moves a request's chunks io_threads at a time (from 2026-12-04; runs before that moved them one "
+            "after another).")
+
+
 def _reading(results: dict[str, Any]) -> list[str]:
     """Observations that follow from the figures themselves (regenerated with them)."""
     ok = {t["tier"]: t for t in results["tiers"] if "error" not in t}
@@ -567,20 +582,11 @@ def _reading(results: dict[str, Any]) -> list[str]:
     if media:
         out.append(f"- *fs* directories on {', '.join(media)}; \"evicted\": the chunk files dropped from the page "
                    "cache (fsync, then `posix_fadvise(DONTNEED)`) before the load, so the bytes come from the device.")
-    checked, plain = ok.get("fs (integrity: blake3)"), ok.get("fs (integrity: none)")
-    if checked and plain:
-        keys = {"store_mbps": "store", "load_mbps": "load from the page cache",
-                "load_evicted_mbps": "load from the device"}
-
-        def overlap(k: str) -> bool:
-            return checked[k]["min"] <= plain[k]["max"] and plain[k]["min"] <= checked[k]["max"]
-
-        parts = [f"{what} {checked[k]['median'] / plain[k]['median']:.2f}x"
-                 f"{' (min–max ranges overlap)' if overlap(k) else ''}" for k, what in keys.items()]
-        out.append(
-            f"- *fs, integrity on vs off* (median of the checked adapter over the plain one): {', '.join(parts)}. "
-            "The checked adapter adds one blake3 pass per chunk on store and on load, and moves a request's "
-            "chunks io_threads at a time (from 2026-12-04; runs before that moved them one after another).")
+    plain = ok.get("fs (integrity: none)")
+    for digest in ("xxh3", "blake3"):
+        checked = ok.get(f"fs (integrity: {digest})")
+        if checked and plain:
+            out.append(_integrity_cost(checked, plain, digest))
     if "s3" in ok:
         out.append(
             f"- *s3*: lookup = {results['settings']['chunks']} HEAD requests from the reading adapter. The adapter "
