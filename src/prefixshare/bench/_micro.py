@@ -116,9 +116,7 @@ def raw_io(directory: Path, size: int, reps: int) -> dict[str, Any]:
                 f.write(data)
             writes.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            _sync(path)
             writes_sync.append(writes[-1] + time.perf_counter() - t0)
             _read(path, buf)  # make sure it is all in the page cache
             warm.append(_read(path, buf))

@@ -141,7 +141,7 @@ class _Xxh3:
         return self._h.digest() + bytes(DIGEST_BYTES - 16)
 
 
-def _hasher(name: str, key: bytes | None, algorithm: int = ALGORITHM_BLAKE3) -> Any:
+def _hasher(name: str, key: bytes | None, algorithm: int) -> Any:
     """The digest over the file name's stem and a NUL, ready for the payload: blake3's keyed hash when ``key`` is
     given, else the unkeyed ``algorithm``."""
     if key is not None:
@@ -159,8 +159,8 @@ def algorithm_id(name: str) -> int:
         raise ValueError(f"unknown integrity digest {name!r}; use one of {sorted(UNKEYED_ALGORITHMS)}") from None
 
 
-def digest(name: str, payload: bytes | bytearray | memoryview, key: bytes | None = None,
-           algorithm: int = ALGORITHM_BLAKE3) -> bytes:
+def digest(name: str, payload: bytes | bytearray | memoryview, key: bytes | None = None, *,
+           algorithm: int) -> bytes:
     """The digest of ``payload`` stored under file name ``name`` (the ``.data`` suffix is ignored); keyed
     (blake3's keyed hash) when ``key`` is given, else the unkeyed ``algorithm`` (a trailer's id)."""
     h = _hasher(name, key, algorithm)
@@ -225,7 +225,7 @@ def _check_digest(name: str, payload: bytes | bytearray | memoryview, tail: byte
             return "other-key"
     elif keyring is not None:
         return "unkeyed"
-    return "ok" if digest(name, payload, key, algorithm) == tail[_HEAD.size :] else "digest-mismatch"
+    return "ok" if digest(name, payload, key, algorithm=algorithm) == tail[_HEAD.size :] else "digest-mismatch"
 
 
 def check(name: str, payload: bytes | bytearray | memoryview, tail: bytes, file_size: int,
