@@ -19,6 +19,13 @@ sys.path.insert(0, str(TESTS))  # `helpers` is importable from every test module
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every engine process the tests start (replicas, warm, verify, examples) inherits this. vLLM's sampler
+# compiles its logprob-rank count (vllm/v1/sample/ops/logprobs.py, torch.compile with inductor on CPU) on a
+# process's first request with logprobs: 2.0-2.5 s per engine process on our CPU machines. Run eager,
+# the count is the same integer, so greedy ids and logprobs are identical (checked on the tiny model: the
+# same 12 ids and logprobs bit for bit with and without). `make bench` does not run under this file: its
+# engines keep the default.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # Session-wide: module-scoped fixtures (servers, replicas) run before function-scoped ones, and nothing a
 # test starts may write into the user's ~/.cache/prefixshare.
 os.environ["PREFIXSHARE_CACHE_DIR"] = tempfile.mkdtemp(prefix="prefixshare-test-cache-")

@@ -238,8 +238,17 @@ def test_vllm_written_kv_is_refused_by_sglang_and_the_reverse(cross: dict[str, A
     sgl_ns = cross["sglang_reads"]["stats"]["namespace"]
     vllm_ns = cross["vllm_reads"]["stats"]["namespace"]
     assert sgl_ns != vllm_ns
-    files = {p.name.split("@")[0] for p in cross["store"].glob("*.data")}
-    assert files == {sgl_ns, vllm_ns}
+    assert _namespaces(cross["store"]) == {sgl_ns, vllm_ns}
+
+
+def _objects(store: Path, namespace: str | None = None) -> dict[str, bytes]:
+    """A store's chunk objects, {chunk hash: bytes}, of one namespace (all when None)."""
+    files = [p for p in store.glob("*.data") if p.name.count("@") == 3]
+    return {p.name.split("@")[3]: p.read_bytes() for p in files if namespace in (None, p.name.split("@")[0])}
+
+
+def _namespaces(store: Path) -> set[str]:
+    return {p.name.split("@")[0] for p in store.glob("*.data")}
 
 
 def _objects_per_engine(work: Path, model: Path, ids: list[int], tag: str,
@@ -252,14 +261,20 @@ def _objects_per_engine(work: Path, model: Path, ids: list[int], tag: str,
         with LMCacheServer(policy_for(store)) as srv:
             kwargs = SGL if engine == "sglang" else {}
             result = run_replica(work, f"bits-{tag}{engine}", model, srv.policy, [req(ids)], engine=overrides, **kwargs)
-        objects[engine] = {p.name.split("@")[3]: p.read_bytes() for p in store.glob("*.data") if p.name.count("@") == 3}
+        objects[engine] = _objects(store)
         objects[engine + ".result"] = result
     return objects
 
 
 @pytest.fixture(scope="module")
-def per_engine_objects(work: Path, models: dict[str, Path], prompts: dict[str, list[int]]) -> dict[str, Any]:
-    return _objects_per_engine(work, models["main"], prompts["doc"], "", {"vllm": {}, "sglang": {}})
+def per_engine_objects(cross: dict[str, Any]) -> dict[str, Any]:
+    """Each engine's objects for the same document, split by namespace from the cross-engine store: vLLM's from
+    the replica that wrote first, SGLang's from the replica that refused them and stored its own."""
+    objects: dict[str, Any] = {}
+    for engine, result in (("vllm", cross["vllm_writes"]), ("sglang", cross["sglang_reads"])):
+        objects[engine] = _objects(cross["store"], _namespace(result))
+        objects[engine + ".result"] = result
+    return objects
 
 
 def _namespace(result: dict[str, Any]) -> str:
@@ -302,13 +317,14 @@ def test_gpu_layouts_bit_for_bit(work: Path, models: dict[str, Path], prompts: d
 
 
 def test_sglang_written_kv_is_refused_by_vllm(
-    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], per_engine_objects: dict[str, Any],
-    cross: dict[str, Any],
+    work: Path, models: dict[str, Path], prompts: dict[str, list[int]], store: Path, server: LMCacheServer,
+    replica_a: dict[str, Any], cross: dict[str, Any],
 ) -> None:
-    """The reverse on a store only SGLang wrote: a vLLM replica loads 0 tokens, says why, answers cold."""
-    store = work / "bits-sglang"
-    with LMCacheServer(policy_for(store)) as srv:
-        out = run_replica(work, "x-vllm-on-sgl", models["main"], srv.policy, [req(prompts["doc"])])
+    """The reverse on a store only SGLang wrote (this module's, which holds the document as SGLang stored it):
+    a vLLM replica loads 0 tokens, says why, answers cold."""
+    before = _namespaces(store)
+    assert _namespace(replica_a) in before and _namespace(cross["vllm_writes"]) not in before, before
+    out = run_replica(work, "x-vllm-on-sgl", models["main"], server.policy, [req(prompts["doc"])])
     result = out["results"][0]
     assert result["num_cached_tokens"] == 0 and out["stats"]["tokens_loaded"] == 0
     reasons = _incompatible_events(out)

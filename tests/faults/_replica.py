@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from _probes import settle_probes  # noqa: E402
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: ~3 s engine start
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -141,6 +144,7 @@ def main() -> None:
             raise ValueError(f"unknown step {op!r}")
         res.update(op=op, name=name, started_at=started_at, ended_at=time.time())
         results.append(res)
+    settle_probes()  # a store.down verdict in flight reaches the log the tests read
     result = {"results": results, "stats": stats()}
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()

@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from _probes import settle_probes  # tests/helpers: this script's directory
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
@@ -90,6 +92,7 @@ def main() -> None:
             os.kill(kill[i], signal.SIGKILL)
             time.sleep(0.2)
         results.append(_generate(eng, req))
+    settle_probes()  # a store.down verdict in flight reaches the log the tests read
     result = {"engine_s": engine_s, "results": results, "stats": ps.stats() if ps else None}
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()

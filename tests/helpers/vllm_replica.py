@@ -17,6 +17,8 @@ import signal
 import sys
 import time
 
+from _probes import settle_probes  # tests/helpers: this script's directory
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: ~3 s engine start
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -77,6 +79,7 @@ def main() -> None:
             "prompt_token_ids": list(out.prompt_token_ids or []),
             "seconds": seconds,
         })
+    settle_probes()  # a store.down verdict in flight reaches the log the tests read
     result = {"engine_s": engine_s, "results": results, "stats": ps.stats() if ps else None}
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
