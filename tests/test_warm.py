@@ -300,6 +300,11 @@ def test_warm_stores_verifies_records_and_skips_the_second_time(setup: Any, toke
     assert events[0].phase == "plan" and events[-1].phase == "done" and events[-1].documents_done == 2
     warmed = {d.id: d for d in report.warmed}
     assert all(d.verified for d in warmed.values())
+    # each step timed, in order, within the call's wall time; the prefill step holds the engine's batches
+    assert list(report.phases) == ["plan", "triage", "prefill", "verify", "record"]
+    assert all(v >= 0 for v in report.phases.values()) and sum(report.phases.values()) <= report.seconds
+    assert report.phases["prefill"] >= report.prefill_seconds > 0
+    assert report.to_dict()["phases"] == {k: round(v, 4) for k, v in report.phases.items()}
     registry = Registry(store)
     record = registry.get(eng.fp.digest, "manual-a")
     assert record is not None and record.chunks == warmed["manual-a"].chunks == record.tokens // CHUNK

@@ -883,6 +883,26 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
         ]
     if not goals["P6"]["pass"]:
         out += _p6_breakdown(results, rows, lengths)
+        out += _p6_phases(rows, lengths)
+    return out
+
+
+def _p6_phases(rows: dict[str, Any], lengths: list[int]) -> list[str]:
+    """warm()'s own timing of its steps (the report's ``phases``), beside the raw prefill of the same tokens."""
+    timed = [n for n in lengths if rows[str(n)].get("prewarm_phases_s")]
+    if not timed:
+        return []
+    names = list(rows[str(timed[0])]["prewarm_phases_s"])
+    out = ["warm()'s own timing of its steps (`WarmReport.phases`, medians over the runs): *prefill* is the engine's "
+           "call with the copy of its KV into the server, *verify* the wait until the store holds every chunk; "
+           "the other steps are warm()'s bookkeeping:", "",
+           "| tokens | raw prefill | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for n in timed:
+        r = rows[str(n)]
+        phases = r["prewarm_phases_s"]
+        out.append(f"| {n} | {_ms(r['raw_prefill_s']['median'])} | "
+                   + " | ".join(_ms(phases[name]) if name in phases else "–" for name in names) + " |")
+    out.append("")
     return out
 
 
@@ -894,8 +914,9 @@ def _p6_breakdown(results: dict[str, Any], rows: dict[str, Any], lengths: list[i
                 "step, the copy of the KV into the server after it), then waiting until every chunk is on the store's "
                 "medium, then the registry entry. Its time over the raw prefill (R, the document's exact tokens, "
                 "right after), split with what P7 measured in the same replicas at the same length: a miss's added "
-                "time (cold − bypassed, paired) and when its chunks landed after its first token; the rest is "
-                "warm()'s own (tokenizing and templating, the server's triage, the scans that verify, the registry):",
+                "time (cold − bypassed, paired) and when its chunks landed after its first token; the rest is what "
+                "neither explains: warm()'s own steps (timed in the next table) and any difference between the two "
+                "replicas' prefills of the same tokens:",
                 "",
                 "| tokens | raw prefill | pre-warm | over raw | a miss's added time (P7) | landed (P7) | rest |",
                 "|---|---|---|---|---|---|---|"]

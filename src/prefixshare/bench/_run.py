@@ -609,8 +609,17 @@ class Bench:
             prewarm = summary(self._series(a_steps, "prewarm", n))
             raw_prefill = summary(self._series(r_steps, "raw", n))
             row.update({"prewarm_s": prewarm, "prewarm_tokens": len(a_steps[f"prewarm:{n}:0"]["ids"]),
-                        "raw_prefill_s": raw_prefill, "prewarm_over_raw": prewarm["median"] / raw_prefill["median"]})
+                        "raw_prefill_s": raw_prefill, "prewarm_over_raw": prewarm["median"] / raw_prefill["median"],
+                        "prewarm_phases_s": self._phases(a_steps, n)})
         return row
+
+    def _phases(self, a_steps: dict[str, dict[str, Any]], n: int) -> dict[str, float]:
+        """warm()'s own timing of its steps (its report's ``phases``), the median per step over P6's runs."""
+        reports = [a_steps[f"prewarm:{n}:{i}"].get("report") or {} for i in range(self.s.runs)
+                   if f"prewarm:{n}:{i}" in a_steps]
+        names = [name for name in (reports[0].get("phases") or {})] if reports else []
+        return {name: statistics.median(r["phases"][name] for r in reports if name in r.get("phases", {}))
+                for name in names}
 
     def _sweep_results(self, sweep: dict[str, Any]) -> dict[str, Any]:
         """P4 per length and point: forced load, forced recompute and auto (same replica, interleaved), the

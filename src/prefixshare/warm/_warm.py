@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -109,6 +110,11 @@ class WarmReport:
     verification: str = VERIFY_OFF
     #: seconds the engine spent prefilling (the batches' wall time, planning and verification excluded)
     prefill_seconds: float = 0.0
+    #: wall seconds of each step of the call, in order: "plan" (tokenizing, the fingerprint, the store's
+    #: directory scan), "triage" (what the store already holds, admission), "prefill" (the engine's batches and
+    #: the copies of their KV into the server), "verify" (until the store holds every chunk), "record" (the
+    #: registry). What a slow warm spends its time on, without a profiler.
+    phases: dict[str, float] = field(default_factory=dict)
 
     def _with(self, *statuses: str) -> list[DocumentResult]:
         return [d for d in self.documents if d.status in statuses]
@@ -165,6 +171,7 @@ class WarmReport:
         return {"namespace": self.namespace, "fingerprint": self.fingerprint, "engine": self.engine,
                 "chunk_size": self.chunk_size, "store": self.store, "seconds": round(self.seconds, 3),
                 "verification": self.verification, "ok": self.ok, "totals": self.totals(), "rates": self.rates(),
+                "phases": {name: round(seconds, 4) for name, seconds in self.phases.items()},
                 "documents": [asdict(d) for d in self.documents]}
 
 
@@ -275,18 +282,23 @@ def warm(
 
     run = _WarmRun.open(ps, eng, policy, template, planned, run_id=run_id, log=log, started=started,
                         tenant=tenant, cache_salt=cache_salt, force=force, progress=progress)
+    run.report.phases["plan"] = time.monotonic() - started
 
     try:
         # 2. what is already there, what admission refuses, what must be prefilled
-        run.triage(verify_timeout_s)
+        with run.phase("triage"):
+            run.triage(verify_timeout_s)
         run.report_progress("plan")
 
         # 3. prefill in batches of about batch_tokens tokens
-        run.prefill(batch_tokens)
+        with run.phase("prefill"):
+            run.prefill(batch_tokens)
 
         # 4. verify that the store holds every chunk (an fs tier's directory, else the MP server), then record
-        run.verify(mode, verify_timeout_s)
-        run.record()
+        with run.phase("verify"):
+            run.verify(mode, verify_timeout_s)
+        with run.phase("record"):
+            run.record()
     finally:
         run.close()
 
@@ -389,6 +401,15 @@ class _WarmRun:
                    started=started, tenant=tenant, cache_salt=cache_salt, force=force, progress=progress, fp=fp,
                    ns=ns, dirs=dirs, registry=registry, salt=salt, hasher=hasher, kv_per_token=kv_per_token,
                    rule=rule, index=index, report=report)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time one step of the call into the report's ``phases``."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.report.phases[name] = time.monotonic() - t0
 
     def report_progress(self, phase: str, current: str | None = None) -> None:
         done = self.done
@@ -674,7 +695,8 @@ class _WarmRun:
         report.seconds = time.monotonic() - self.started
         self.report_progress("done")
         totals = report.totals()
-        self.log.info("warm.done", seconds=round(report.seconds, 2), **totals)
+        self.log.info("warm.done", seconds=round(report.seconds, 2), **totals,
+                      phases={name: round(seconds, 3) for name, seconds in report.phases.items()})
         if strict and report.failed:
             lines = "; ".join(f"{d.id}: {d.reason}" for d in report.failed)
             raise WarmError(f"{len(report.failed)} of {len(report.documents)} documents were not warmed: {lines}",
