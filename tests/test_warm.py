@@ -382,8 +382,8 @@ def test_missing_chunks_fail_verification(setup: Any) -> None:
 
 def test_verification_polls_promptly_for_chunks_the_server_writes_late(setup: Any,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server writes L2 after the prefill returns: warm sees the chunks soon after they land (polls from 5 ms,
-    growing by half), listing the directory each time instead of a stat per chunk file."""
+    """The server writes L2 after the prefill returns: warm sees the chunks soon after they land (scans a tenth
+    of the time waited apart, from 5 ms), listing the directory each time instead of a stat per chunk file."""
     import threading
     import time
 
@@ -391,12 +391,14 @@ def test_verification_polls_promptly_for_chunks_the_server_writes_late(setup: An
 
     ps, eng, store = setup
     landed: list[float] = []
+    returned: list[float] = []
     prefill = eng.prefill
 
     def late_prefill(requests: list[PrefillRequest]) -> list[PrefillResult]:
         eng.write = False
         out = prefill(requests)
         eng.write = True
+        returned.append(time.monotonic())
 
         def write_later() -> None:
             time.sleep(0.12)
@@ -420,6 +422,11 @@ def test_verification_polls_promptly_for_chunks_the_server_writes_late(setup: An
     assert result.status == "warmed" and result.verified is True and result.bytes == 4096 * CHUNK * result.chunks
     assert landed and done - landed[0] < 0.1  # (a generous bound: shared CI machines are slow)
     assert len(scans) >= 4
+    # verification's scans, a tenth of the time waited apart: before the chunks landed (0.12 s after the prefill
+    # returned) none is over 30 ms after the last, nor under 5 ms
+    polls = [t for t in scans if t >= returned[0]]
+    gaps = [b - a for a, b in zip(polls, polls[1:])]
+    assert all(g >= 0.004 for g in gaps) and max(g for a, g in zip(polls, gaps) if a < landed[0]) < 0.03, gaps
     # sizes are read once, for the warmed document's files only (not a stat per file on every poll)
     assert sorted(s for s in stats if s.endswith(".data")) == sorted(f.name for f in store.glob("*.data"))
 

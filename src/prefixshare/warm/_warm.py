@@ -731,29 +731,36 @@ def _batches(items: list[_Planned], budget: int) -> list[list[_Planned]]:
     return batches
 
 
-#: verification polls: first after this many seconds, each wait 1.5x the last, at most VERIFY_POLL_MAX_S
+#: verification polls: first after this many seconds, each wait 1.5x the last, at most VERIFY_POLL_MAX_S (asking
+#: the server); a directory tier's scans wait VERIFY_SCAN_FRACTION of the time waited so far, in the same bounds
 VERIFY_POLL_FIRST_S = 0.005
 VERIFY_POLL_MAX_S = 0.2
+VERIFY_SCAN_FRACTION = 0.1
 
 
 def _wait_for_chunks(dirs: list[Path], ns: str, items: list[_Planned], salt: str, timeout_s: float) -> NamespaceIndex:
     """Scan the namespace until every chunk of ``items`` is there (the server writes L2 asynchronously).
 
-    The server's write usually lands within tens of milliseconds of the prefill: polls start at 5 ms and grow
-    by half each time (at most 200 ms apart), so the wait overshoots the write by at most a third. Each poll is
-    one listing of the tier directories (names only), not a ``stat`` per chunk."""
-    deadline = time.monotonic() + timeout_s
-    delay = VERIFY_POLL_FIRST_S
+    The server's write lands 0.1-0.3 s after the prefill returns (bench model, 1k-4k tokens). Between two scans
+    warm waits a tenth of the time it has waited so far (at least 5 ms, at most 200 ms), so it sees the last
+    chunk about a tenth later than it landed (polls growing by half each time overshot it by up to a half, a
+    median of 114 ms at 4k tokens); and at least twice the last scan's own time, so a store of many files is
+    not listed back to back. Each scan is one listing of the tier directories (names only), not a ``stat`` per
+    chunk."""
+    started = time.monotonic()
+    deadline = started + timeout_s
     while True:
+        scan_started = time.monotonic()
         index = NamespaceIndex.scan(dirs, ns)
         expected = index.expected_objects()
         if all(not index.missing(i.hashes, salt, expected) for i in items):
             return index
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
             return index
-        time.sleep(min(delay, left))
-        delay = min(delay * 1.5, VERIFY_POLL_MAX_S)
+        wait = min(max((now - started) * VERIFY_SCAN_FRACTION, VERIFY_POLL_FIRST_S), VERIFY_POLL_MAX_S)
+        time.sleep(min(max(wait, 2 * (now - scan_started)), left))
 
 
 def _record(item: _Planned, res: DocumentResult, fingerprint: str, ns: str, chunk_size: int,
