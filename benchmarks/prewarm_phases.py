@@ -9,7 +9,9 @@ triage, prefill, verify, record). Medians per length, and the ratio warm / raw (
 
 What it tells apart: warm()'s bookkeeping (plan, triage, record), the engine's call with the copy of its KV into
 the server (prefill, against R's raw prefill of the same tokens) and the wait until the store holds every chunk
-(verify). The bench's model, engine and policy (``prefixshare.bench._run``); nothing is published by default.
+(verify), and from the chunk files' modification times, when the store's write landed after the engine's call
+returned (first and last file) and how long after the last one warm saw it. The bench's model, engine and
+policy (``prefixshare.bench._run``); nothing is published by default.
 """
 
 from __future__ import annotations
@@ -50,15 +52,29 @@ def _pairs(bench: Any, n: int, runs: int) -> list[dict[str, float]]:
         r.run([{"op": "generate", "ids": warmup, "tag": "warmup"}])
         time.sleep(1.0)  # the warm-up's store lands
         for i in range(runs):
+            sent = time.time()
             [warmed] = a.run([{"op": "warm", "doc_id": f"phases-{n}-{i}", "text": bench._text(n, 1000 + i),
                                "tag": f"prewarm:{n}:{i}"}])
+            landing = _landing(bench.store, sent, time.time(), warmed["report"]["phases"])
             time.sleep(_PAUSE_S)
             [raw] = r.run([{"op": "generate", "ids": warmed["ids"], "tag": f"raw:{n}:{i}"}])
             time.sleep(_PAUSE_S)
             report = warmed["report"]
             assert report["totals"]["warmed"] == report["totals"]["verified"] == 1, report  # a real pre-warm
-            rows.append({"warm_s": warmed["seconds"], "raw_prefill_s": raw["seconds"], **report["phases"]})
+            rows.append({"warm_s": warmed["seconds"], "raw_prefill_s": raw["seconds"], **report["phases"], **landing})
     return rows
+
+
+def _landing(store: Path, sent: float, back: float, phases: dict[str, float]) -> dict[str, float]:
+    """When this warm's chunk files were written, in seconds after the engine's call returned (the files written
+    while the step ran, by modification time; the call's end is when the step came back less warm's verify and
+    record, so these read a few milliseconds early), and how long after the last one warm's scan saw it."""
+    written = [p.stat().st_mtime for p in store.glob("*.data")]
+    written = [t for t in written if sent <= t <= back]
+    assert written, "no chunk file was written during the pre-warm"
+    returned = back - phases["verify"] - phases["record"]
+    last = max(written) - returned
+    return {"first_file_s": min(written) - returned, "last_file_s": last, "seen_after_last_file_s": phases["verify"] - last}
 
 
 def measure(lengths: list[int], runs: int) -> dict[str, Any]:
@@ -98,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, row in result["per_length"].items():
         m = row["median_s"]
         steps = ", ".join(f"{k} {m[k] * 1e3:.0f} ms" for k in m if k not in ("warm_s", "raw_prefill_s"))
+        steps = steps.replace("_s ", " ")
         sys.stdout.write(f"{n} tokens: warm {m['warm_s']:.3f} s / raw prefill {m['raw_prefill_s']:.3f} s = "
                          f"{row['warm_over_raw']:.3f}x; {steps}\n")
     return 0
