@@ -617,7 +617,7 @@ class Bench:
         """warm()'s own timing of its steps (its report's ``phases``), the median per step over P6's runs."""
         reports = [a_steps[f"prewarm:{n}:{i}"].get("report") or {} for i in range(self.s.runs)
                    if f"prewarm:{n}:{i}" in a_steps]
-        names = [name for name in (reports[0].get("phases") or {})] if reports else []
+        names = list(reports[0].get("phases") or {}) if reports else []
         return {name: statistics.median(r["phases"][name] for r in reports if name in r.get("phases", {}))
                 for name in names}
 
