@@ -98,23 +98,21 @@ def measure(lengths: list[int], runs: int) -> dict[str, Any]:
     return out
 
 
-def _tokens(text: str) -> int:
-    return int(float(text[:-1]) * 1024) if text.lower().endswith("k") else int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="2k", help="comma-separated prompt lengths, e.g. 1k,2k")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args(argv)
-    result = measure([_tokens(x) for x in args.lengths.split(",")], args.runs)
+    from prefixshare.plan import parse_prompt_lengths
+
+    result = measure(list(parse_prompt_lengths(args.lengths)), args.runs)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     for n, row in result["per_length"].items():
         m = row["median_s"]
-        steps = ", ".join(f"{k} {m[k] * 1e3:.0f} ms" for k in m if k not in ("warm_s", "raw_prefill_s"))
-        steps = steps.replace("_s ", " ")
+        steps = ", ".join(f"{k.removesuffix('_s')} {m[k] * 1e3:.0f} ms" for k in m
+                          if k not in ("warm_s", "raw_prefill_s"))
         sys.stdout.write(f"{n} tokens: warm {m['warm_s']:.3f} s / raw prefill {m['raw_prefill_s']:.3f} s = "
                          f"{row['warm_over_raw']:.3f}x; {steps}\n")
     return 0
