@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 import time
 
-PROBE_THREADS = ("prefixshare-probe", "prefixshare-stall-probe")
-
 
 def settle_probes(timeout_s: float = 5.0) -> None:
+    # imported here: the replica scripts import this module before they set the engines' environment
+    from prefixshare.runtime._runtime import PROBE_THREAD, STALL_PROBE_THREAD
+
     deadline = time.monotonic() + timeout_s
     for thread in threading.enumerate():
-        if thread.name in PROBE_THREADS:
+        if thread.name in (PROBE_THREAD, STALL_PROBE_THREAD):
             thread.join(max(0.0, deadline - time.monotonic()))

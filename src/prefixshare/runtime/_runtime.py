@@ -82,6 +82,11 @@ _VERIFY_RUN = Decision(False, "verify: a verification run stores nothing", "veri
 _VERIFY_REFUSED = Decision(False, "verify: not a verify task of this replica for this prompt", "verify")
 _NO_RULES = Decision(True, "no admission rules", "default")
 
+#: the health gate's probe threads (a store marked down; a stalled lookup): named, so that whoever must let a
+#: verdict in flight reach the log before the process exits can find them
+PROBE_THREAD = "prefixshare-probe"
+STALL_PROBE_THREAD = "prefixshare-stall-probe"
+
 
 @dataclass
 class RequestInfo:
@@ -211,7 +216,7 @@ class ConnectorRuntime(StatsPublisher):
         self._next_probe = now + self.PROBE_INTERVAL_S
         self._probing = True
         done = threading.Event()
-        threading.Thread(target=self._probe_down, args=(done,), name="prefixshare-probe", daemon=True).start()
+        threading.Thread(target=self._probe_down, args=(done,), name=PROBE_THREAD, daemon=True).start()
         done.wait(self.PROBE_WAIT_S)
         return self._down_since is None
 
@@ -247,7 +252,7 @@ class ConnectorRuntime(StatsPublisher):
             if not self._stall_running and now - self._stall_started >= self.PROBE_INTERVAL_S and (
                     last is None or last[0] < since or last[1] is None):
                 self._stall_running, self._stall_started = True, now
-                threading.Thread(target=self._probe_stall, args=(now,), name="prefixshare-stall-probe",
+                threading.Thread(target=self._probe_stall, args=(now,), name=STALL_PROBE_THREAD,
                                  daemon=True).start()
         return last[1] if last is not None and last[0] >= since else None
 
@@ -282,7 +287,7 @@ class ConnectorRuntime(StatsPublisher):
             self._down_since = time.monotonic()
             self._next_probe = self._down_since + self.PROBE_INTERVAL_S
             self._probing = True
-            threading.Thread(target=self._probe_marked, args=(reason, found), name="prefixshare-probe",
+            threading.Thread(target=self._probe_marked, args=(reason, found), name=PROBE_THREAD,
                              daemon=True).start()
 
     def _probe_marked(self, reason: str, found: str | None = None) -> None:
