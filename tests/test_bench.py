@@ -73,6 +73,11 @@ def test_quick_bench_produces_sane_results(tmp_path: Path) -> None:
             _sane(row[key], runs)
         assert row["prewarm_tokens"] > 0
 
+    # the probe of what idle memory costs on this machine (shown beside P3 and P6 when they miss)
+    idle = results["idle_memory"]
+    assert idle["idle_s"] == [0.0, 1.0] and idle["rounds"] == 1
+    assert all(v > 0 for row in idle["gbps"].values() for v in row.values()), idle["gbps"]
+
     # item 1: the floor is a lower bound (the run itself fails when it is beaten; checked here too)
     assert results["goals"]["P2"]["floor_check"]["ok"], results["goals"]["P2"]["floor_check"]
     # item 2: the sweep yields a regret per point, from forced loads that loaded and forced recomputes that did not

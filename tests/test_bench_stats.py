@@ -84,3 +84,26 @@ def test_a_replica_session_interleaves_steps_and_reports_a_silent_or_dead_child(
     finally:
         mp.undo()
     assert procs.sys.executable == orig
+
+
+def test_the_idle_memory_probe_times_every_kind_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    import os
+
+    from prefixshare.bench._memory import KINDS, idle_memory
+    from prefixshare.bench._report import _idle_memory
+
+    shm_before = {p for p in os.listdir("/dev/shm") if p.startswith("prefixshare-idle-")}
+    result = idle_memory([0.2, 0.0], 2 << 20, 2, work=tmp_path)
+    assert result["idle_s"] == [0.0, 0.2] and result["bytes"] == 2 << 20 and len(result["runs"]) == 2
+    assert set(result["gbps"]) == set(KINDS)
+    for kind in KINDS:
+        assert set(result["gbps"][kind]) == {"0", "0.2"} and all(v > 0 for v in result["gbps"][kind].values())
+        assert result["ratio_to_first"][kind]["0"] == 1.0
+    # its regions are gone: no file in its work directory, no shared-memory file
+    assert list(tmp_path.iterdir()) == []
+    assert {p for p in os.listdir("/dev/shm") if p.startswith("prefixshare-idle-")} == shm_before
+
+    page = "\n".join(_idle_memory(result))
+    assert "| shared memory (as the server's chunk buffers) |" in page and "idle 0.2 s" in page
+    assert f"{result['gbps']['anon_4k']['0.2']:.2f} GB/s ({result['ratio_to_first']['anon_4k']['0.2']:.2f}×)" in page
+    assert _idle_memory(None) == []  # results from before the probe existed render without it

@@ -884,6 +884,36 @@ def _where_time_goes(results: dict[str, Any]) -> list[str]:
     if not goals["P6"]["pass"]:
         out += _p6_breakdown(results, rows, lengths)
         out += _p6_phases(rows, lengths)
+    if not goals["P3"]["pass"] or not goals["P6"]["pass"]:
+        out += _idle_memory(results.get("idle_memory"))
+    return out
+
+
+_IDLE_KINDS = {"anon_4k": "anonymous, 4 KiB pages", "anon_thp": "anonymous, huge pages",
+               "shm": "shared memory (as the server's chunk buffers)", "page_cache_read": "page cache, read"}
+
+
+def _idle_memory(idle: dict[str, Any] | None) -> list[str]:
+    """The run's probe of what memory that sat idle costs (:mod:`prefixshare.bench._memory`), when P3 or P6 missed."""
+    if not idle:
+        return []
+    keys = [f"{i:g}" for i in idle["idle_s"]]
+    out = ["**Memory that sat idle.** A store's path writes into memory that waits between requests: the engine "
+           "copies a request's KV into the server's chunk buffers (shared memory, allocated when the server "
+           "started) and the fs tier writes and reads through the page cache. Measured in this run "
+           f"(`prefixshare.bench._memory`, {idle['bytes'] >> 20} MiB per access, medians of {idle['rounds']}): the "
+           "first access after the memory sat idle, against the same access right after it was touched:", "",
+           "| memory | " + " | ".join("touched just before" if k == "0" else f"idle {k} s" for k in keys) + " |",
+           "|---|" + "---|" * len(keys)]
+    for kind, label in _IDLE_KINDS.items():
+        gbps, ratio = idle["gbps"][kind], idle["ratio_to_first"][kind]
+        out.append(f"| {label} | " + " | ".join(
+            f"{gbps[k]:.2f} GB/s" + ("" if k == keys[0] else f" ({ratio[k]:.2f}×)") for k in keys) + " |")
+    out += ["", "Ratios well below 1 mean the host reclaims memory that sits idle: the first touch of each page after "
+            "an idle spell goes to the host (the guest's own page-fault counters do not move), and 4 KiB pages pay "
+            "it per page. A pre-warm or a stored miss writes its KV into chunk buffers and files that may have sat "
+            "idle since the last request; the raw prefill writes only its own KV blocks. "
+            "`python benchmarks/idle_memory.py` runs the probe over longer idle spells.", ""]
     return out
 
 

@@ -242,6 +242,7 @@ class Bench:
         s = self.s
         info, kvb = self._setup()
         io = self._measure_io(kvb)
+        idle = self._measure_idle_memory(kvb)
         overhead, overhead_rules = self._measure_overhead()
 
         # documents: n + 1 tokens (see the module's docstring)
@@ -263,6 +264,7 @@ class Bench:
         results = self._assemble(info, machine()["load_average"], kvb, kv_measured, io, overhead, a, a_steps,
                                  b_steps, be_steps, r_steps, sweep, connectors)
         results["profile_warm_request"] = self._profile_warm_request(a_steps, b, b_steps)
+        results["idle_memory"] = idle
         for n, row in results["per_length"].items():
             row["overhead_with_rules_us"] = overhead_rules[n]
         return results
@@ -306,6 +308,20 @@ class Bench:
                           "copy": copy_path(size, chunk_bytes, s.runs, digest=digest)}
         self.timings["io_s"] = round(time.perf_counter() - t0, 1)
         return io
+
+    def _measure_idle_memory(self, kvb: int) -> dict[str, Any]:
+        """What this machine charges for memory that sat idle (:mod:`prefixshare.bench._memory`), for accesses of
+        about the shortest length's KV: the store path writes into memory that waits between requests (the server's
+        chunk buffers, the page cache), so on a host that reclaims idle memory P3 and P6 pay for it."""
+        from prefixshare.bench._memory import idle_memory
+
+        s = self.s
+        self.log("what idle memory costs on this machine ...")
+        t0 = time.perf_counter()
+        size = max(1, round(min(s.lengths) * kvb / (1 << 20))) << 20
+        result = idle_memory([0.0, 1.0] if s.quick else [0.0, 1.0, 5.0], size, 1 if s.quick else 2, work=self.work)
+        self.timings["idle_memory_s"] = round(time.perf_counter() - t0, 1)
+        return result
 
     def _measure_overhead(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """P5: the per-request overhead (in-process), with the default policy and with admission rules."""
