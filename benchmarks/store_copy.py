@@ -11,7 +11,9 @@ one K/V-fused plane per layer, head-major blocks) does, per chunk: allocate a st
 the staging tensor; then copy the staging tensor into the chunk object. Each byte is written three times.
 
 The comparison copies each block, permuted, straight into the object (``copy_`` of a strided view: one read,
-one write per byte) and a plain ``memcpy`` of the same number of bytes (the floor). Bench model's shape (12
+one write per byte), prefixshare's copy that the connector makes instead of LMCache's on this layout
+(``prefixshare.adapters.vllm._store_copy.copy_blocks``: numpy, one strided copy per chunk, layer and run of
+consecutive blocks, no OpenMP) and a plain ``memcpy`` of the same number of bytes (the floor). Bench model's shape (12
 layers, 4 KV heads of 64, fp32: 24,576 bytes per token), 128-token blocks, 256-token chunks, 1k and 4k tokens;
 torch limited to ``--threads`` (the store runs on one thread of the engine's process beside its prefill).
 """
@@ -66,16 +68,25 @@ def _one_pass(layers: list[Any], objects: list[Any], block_ids: Any) -> None:
                 view[layer_idx, j].copy_(layer[b].transpose(0, 1))
 
 
+def _prefixshare(layers: list[Any], objects: list[Any], block_ids: Any) -> None:
+    from prefixshare.adapters.vllm._store_copy import copy_blocks
+
+    kv = {str(i): layer for i, layer in enumerate(layers)}
+    if not copy_blocks(kv, block_ids.tolist(), CHUNK // BLOCK, objects, list(range(len(objects)))):
+        raise SystemExit("prefixshare's copy refused the bench's layout")
+
+
 def _check(layers: list[Any], block_ids: Any, tokens: int) -> None:
-    """Both copies put the same bytes in the same places."""
+    """Every copy puts the same bytes in the same places."""
     import torch
 
     a = [torch.empty(LAYERS, CHUNK, HEADS * 2 * HEAD) for _ in range(tokens // CHUNK)]
-    b = [torch.empty(LAYERS, CHUNK, HEADS * 2 * HEAD) for _ in range(tokens // CHUNK)]
     _lmcache(layers, a, block_ids)
-    _one_pass(layers, b, block_ids)
-    if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
-        raise SystemExit("the one-pass copy does not match LMCache's: the comparison would mean nothing")
+    for name, copy in (("one-pass", _one_pass), ("prefixshare", _prefixshare)):
+        b = [torch.empty(LAYERS, CHUNK, HEADS * 2 * HEAD) for _ in range(tokens // CHUNK)]
+        copy(layers, b, block_ids)
+        if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
+            raise SystemExit(f"the {name} copy does not match LMCache's: the comparison would mean nothing")
 
 
 def main() -> None:
@@ -93,7 +104,7 @@ def main() -> None:
         _check(layers, block_ids, tokens)
         nbytes = sum(o.numel() * o.element_size() for o in objects)
         src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
-        runs: dict[str, list[float]] = {"lmcache": [], "one_pass": [], "memcpy": []}
+        runs: dict[str, list[float]] = {"lmcache": [], "one_pass": [], "prefixshare": [], "memcpy": []}
         for _ in range(args.reps):  # interleaved
             for name in runs:
                 t0 = time.perf_counter()
@@ -101,6 +112,8 @@ def main() -> None:
                     _lmcache(layers, objects, block_ids)
                 elif name == "one_pass":
                     _one_pass(layers, objects, block_ids)
+                elif name == "prefixshare":
+                    _prefixshare(layers, objects, block_ids)
                 else:
                     dst.copy_(src)
                 runs[name].append(time.perf_counter() - t0)
@@ -108,7 +121,8 @@ def main() -> None:
         rows[str(tokens)] = {"bytes": nbytes, "seconds": runs,
                              "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
                              "ms": {k: v * 1e3 for k, v in med.items()},
-                             "lmcache_over_one_pass": med["lmcache"] / med["one_pass"]}
+                             "lmcache_over_one_pass": med["lmcache"] / med["one_pass"],
+                             "lmcache_over_prefixshare": med["lmcache"] / med["prefixshare"]}
         print(f"{tokens} tokens ({nbytes / 1e6:.0f} MB): " + ", ".join(
             f"{k} {med[k] * 1e3:.1f} ms ({nbytes / med[k] / 1e9:.2f} GB/s)" for k in runs))
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

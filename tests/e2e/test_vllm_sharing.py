@@ -110,6 +110,9 @@ def test_fresh_replica_loads_the_document_and_answers_like_a_cold_engine(
     # exactly what a cold engine computes
     deferring = [e for e in replica_a["events"] if e.get("event") == "store.deferring"]
     assert deferring and deferring[0]["context"] == "EngineDrivenTransferContext", deferring
+    # ...by prefixshare's one-pass copy into the server's buffers (vLLM's CPU layout), not LMCache's gather
+    copies = [e for e in replica_a["events"] if e.get("event") == "store.copy"]
+    assert [e["by"] for e in copies] == ["prefixshare"], copies
 
 
 def test_admission_stores_only_what_the_policy_admits(

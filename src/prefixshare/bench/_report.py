@@ -375,14 +375,19 @@ def _md_miss_cpu(mp: dict[str, Any] | None, copy: dict[str, Any] | None) -> list
               "accelerator transfer path, idle with a CPU engine (2.1 % of a core measured alone). On a GPU host "
               "the prefill runs on the GPU and all of this on host cores beside it."]
     if copy and copy.get("rows"):
+        ours = all("prefixshare" in c["gbps"] for c in copy["rows"].values())
         parts = [f"{n} tokens: LMCache's {c['gbps']['lmcache']:.2f} GB/s, one pass {c['gbps']['one_pass']:.2f} GB/s, "
-                 f"memcpy {c['gbps']['memcpy']:.2f} GB/s" for n, c in sorted(copy["rows"].items(),
-                                                                           key=lambda kv: int(kv[0]))]
-        lines += ["", "The engine's share is LMCache's copy of the KV out of vLLM's blocks: on a CPU engine it has "
-                  "no native kernel, and its Python fallback writes every byte three times (a staging tensor, a "
-                  "gather per layer, the permuted copy, then the copy into the chunk object). "
-                  f"`python benchmarks/store_copy.py` (run `{copy['run_id']}`, {copy['threads']} thread) times it "
-                  "against a copy of the same bytes straight into the chunk object: " + "; ".join(parts) + "."]
+                 + (f"prefixshare's {c['gbps']['prefixshare']:.2f} GB/s, " if ours else "")
+                 + f"memcpy {c['gbps']['memcpy']:.2f} GB/s" for n, c in sorted(copy["rows"].items(),
+                                                                             key=lambda kv: int(kv[0]))]
+        lines += ["", "The engine's share is the copy of the KV out of vLLM's blocks into the server's chunk buffers. "
+                  "LMCache has no native kernel for it on a CPU engine, and its Python fallback writes every byte "
+                  "three times (a staging tensor, a gather per layer, the permuted copy, then the copy into the chunk "
+                  "object)" + ("; prefixshare's connector makes this copy itself for vLLM's CPU layout (one strided "
+                               "copy per chunk, layer and run of blocks, straight into the chunk buffer, no OpenMP: "
+                               "`prefixshare.adapters.vllm._store_copy`)" if ours else "") + ". "
+                  f"`python benchmarks/store_copy.py` (run `{copy['run_id']}`, {copy['threads']} thread) times "
+                  "them against a copy of the same bytes straight into the chunk object: " + "; ".join(parts) + "."]
     return lines
 
 

@@ -7,6 +7,9 @@
 * :func:`sync_store_context` — LMCache's worker adapter keeps its transfer context in ``transfer_ctx`` and
   rebuilds it when a restarted server is re-registered; the synchronous engine-driven context (CPU engines)
   is the one whose stores the connector defers (:mod:`prefixshare.adapters.vllm._deferred`).
+* :func:`engine_driven_store`, :func:`single_group_block_ids`, :func:`lmcache_gather` — the three steps of
+  LMCache's synchronous store (reserve the server's chunk buffers, fill them, commit) and the pieces of its
+  context they need, for the store whose fill :mod:`prefixshare.adapters.vllm._store_copy` makes itself.
 * :func:`apply` — a guarded fix for one vLLM 0.32 bug that breaks in-process engines once LMCache is imported.
 
 The bug:
@@ -67,3 +70,34 @@ def sync_store_context(worker_adapter: Any) -> Any:
 
 def set_transfer_context(worker_adapter: Any, context: Any) -> None:
     worker_adapter.transfer_ctx = context
+
+
+def engine_driven_store(context: Any) -> tuple[Any, Any] | None:
+    """(LMCache's engine-driven server context, this worker's instance id) of a registered
+    ``EngineDrivenTransferContext`` exactly, or None (another context, or one not registered yet)."""
+    from lmcache.v1.multiprocess.transfer_context import EngineDrivenTransferContext
+
+    if type(context) is not EngineDrivenTransferContext:
+        return None
+    driven = getattr(context, "_engine_driven_context", None)
+    instance = getattr(context, "_instance_id", None)
+    if driven is None or instance is None or not all(hasattr(driven, m) for m in ("prepare_store", "commit_store")):
+        return None
+    return driven, instance
+
+
+def single_group_block_ids(block_ids: Any) -> list[int]:
+    """The flat block ids of a store (LMCache's engine-driven transfer takes one KV-cache group)."""
+    from lmcache.v1.multiprocess.transfer_context.worker_transfer import _single_group_block_ids
+
+    return list(_single_group_block_ids(block_ids))
+
+
+def lmcache_gather(context: Any, kv_caches: dict[str, Any], block_ids: list[int], blocks_in_chunk: int, out: Any,
+                   chunk_indices: Any) -> Any:
+    """LMCache's own fill of a store's chunk buffers, with the arguments its context passes."""
+    from lmcache.v1.multiprocess.transfer_context.worker_transfer import gather_paged_kv_to_cpu
+
+    return gather_paged_kv_to_cpu(kv_caches, block_ids, blocks_in_chunk, layout_hints=context._layout_hints,
+                                  engine_kv_format=context._engine_kv_format, out=out, chunk_indices=chunk_indices,
+                                  engine_type=context._engine_type)

@@ -22,7 +22,8 @@ produced. A store whose RPC fails or times out resolves False (the KV is simply 
 worker's health flag, as a failed submit does (:class:`prefixshare.adapters.vllm.connector.WorkerSide`); the
 stores queued behind it are then dropped unsent, as LMCache drops a store submitted to a server it knows is down.
 
-Each store's copy runs on a thread of its own that ends with the store, not on the queue's long-lived thread
+The copy itself is :mod:`prefixshare.adapters.vllm._store_copy`'s where the KV is vLLM's CPU layout (one pass,
+no OpenMP), LMCache's gather otherwise. Each store's copy runs on a thread of its own that ends with the store, not on the queue's long-lived thread
 (:mod:`prefixshare.adapters._threads` says why: a long-lived thread's OpenMP pool slowed every later load's copy
 1.7x on 2 cores, which is what P5 measured against LMCache's connector).
 """
@@ -35,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from prefixshare.adapters._threads import on_own_thread
+from prefixshare.adapters.vllm._store_copy import submit_store
 
 #: how long a flush (preemption) or a drain (shutdown) waits for queued stores, at most, beyond the RPC bound
 DRAIN_GRACE_S = 5.0
@@ -49,9 +51,12 @@ class DeferredStores:
     restarted server makes the adapter build a new one)."""
 
     def __init__(self, rpc_timeout_s: float, on_failure: Callable[[str, BaseException | None], None],
-                 healthy: Callable[[], bool] = lambda: True) -> None:
+                 healthy: Callable[[], bool] = lambda: True,
+                 on_first_copy: Callable[[bool], None] = lambda here: None) -> None:
         self.rpc_timeout_s = rpc_timeout_s
         self.on_failure = on_failure
+        #: told once, after the first store's copy, whether prefixshare made it (True) or LMCache's gather did
+        self.on_first_copy = on_first_copy
         #: the worker's view of the server: a queued store is dropped at once (resolves False) when it is down,
         #: so stores queued behind a failure do not each wait out the RPC timeout while holding their blocks
         self.healthy = healthy
@@ -66,6 +71,8 @@ class DeferredStores:
         self.failed = 0
         self.dropped = 0  # of the failed: dropped unsent because the server was down
         self.max_depth = 0
+        self.copies = 0  # stores whose KV was copied into the server's buffers (sent, whatever the commit said)
+        self.own_copies = 0  # of those, the ones prefixshare copied (:mod:`._store_copy`), not LMCache's gather
 
     def wrap(self, context: Any) -> Any:
         """``context`` with its stores deferred (idempotent; any other context is returned as is)."""
@@ -111,6 +118,13 @@ class DeferredStores:
                 self.on_failure(request_id, error)
 
         self._pool.submit(task)
+
+    def copied(self, here: bool) -> None:
+        """A store's copy was made, by prefixshare (``here``) or by LMCache's gather."""
+        self.copies += 1
+        self.own_copies += here
+        if self.copies == 1:
+            self.on_first_copy(here)
 
     def depth(self) -> int:
         with self._lock:
@@ -164,10 +178,14 @@ class DeferredContext:
         from lmcache.v1.multiprocess.futures import MessagingFuture
 
         completion: Any = MessagingFuture()
-        inner = self._inner
-        self._stores.submit(
-            request_id, lambda: inner.submit_store(request_id, key, kv_caches, block_ids, event, blocks_in_chunk),
-            completion)
+        inner, stores = self._inner, self._stores
+
+        def run() -> Any:
+            future, here = submit_store(inner, request_id, key, kv_caches, block_ids, event, blocks_in_chunk)
+            stores.copied(here)
+            return future
+
+        stores.submit(request_id, run, completion)
         return completion
 
     def flush_inflight_stores(self) -> None:

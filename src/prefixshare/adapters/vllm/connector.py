@@ -531,8 +531,8 @@ class WorkerSide:
         #: shared with the scheduler side's check in this process (a request pays one connect per TTL)
         self.port = PortCheck(address)
         policy = connector.prefixshare.policy
-        self.stores = (DeferredStores(policy.load.timeout_s, self._store_failed, self._server_healthy)
-                       if policy.store.defer else None)
+        self.stores = (DeferredStores(policy.load.timeout_s, self._store_failed, self._server_healthy,
+                                      self._first_copy) if policy.store.defer else None)
 
     def defer_stores(self) -> None:
         """Route this step's stores through the worker's store thread (see :mod:`._deferred`) when LMCache's
@@ -558,7 +558,12 @@ class WorkerSide:
                 action="shut down without the stores still queued (their KV is not stored)")
         self.connector.prefixshare.log.info(
             "store.deferred", side="worker", queued=stores.queued, completed=stores.completed, failed=stores.failed,
-            dropped=stores.dropped, max_depth=stores.max_depth)
+            dropped=stores.dropped, max_depth=stores.max_depth, own_copies=stores.own_copies)
+
+    def _first_copy(self, here: bool) -> None:
+        """Say once which copy fills this worker's stores: prefixshare's one pass, or LMCache's gather (a KV layout
+        :mod:`._store_copy` does not know)."""
+        self.connector.prefixshare.log.info("store.copy", side="worker", by="prefixshare" if here else "lmcache")
 
     def _server_healthy(self) -> bool:
         event = _compat.worker_health_event(getattr(self.connector, "worker_adapter", None))
