@@ -13,8 +13,10 @@ the staging tensor; then copy the staging tensor into the chunk object. Each byt
 The comparison copies each block, permuted, straight into the object (``copy_`` of a strided view: one read,
 one write per byte), prefixshare's copy that the connector makes instead of LMCache's on this layout
 (``prefixshare.adapters.vllm._store_copy.copy_blocks``: numpy, one strided copy per chunk, layer and run of
-consecutive blocks, no OpenMP) and a plain ``memcpy`` of the same number of bytes (the floor). Bench model's shape (12
-layers, 4 KV heads of 64, fp32: 24,576 bytes per token), 128-token blocks, 256-token chunks, 1k and 4k tokens;
+consecutive blocks, no OpenMP) and a plain ``memcpy`` of the same number of bytes (a reference, not a bound:
+one contiguous copy between two buffers of its own; the strided copies can match it at 1k tokens). Bench model's
+shape (12 layers, 4 KV heads of 64, fp32: 24,576 bytes per token), 128-token blocks, 256-token chunks, 1k and 4k
+tokens;
 torch limited to ``--threads`` (the store runs on one thread of the engine's process beside its prefill).
 """
 
