@@ -16,8 +16,7 @@ one write per byte), prefixshare's copy that the connector makes instead of LMCa
 consecutive blocks, no OpenMP) and a plain ``memcpy`` of the same number of bytes (a reference, not a bound:
 one contiguous copy between two buffers of its own; the strided copies can match it at 1k tokens). Bench model's
 shape (12 layers, 4 KV heads of 64, fp32: 24,576 bytes per token), 128-token blocks, 256-token chunks, 1k and 4k
-tokens;
-torch limited to ``--threads`` (the store runs on one thread of the engine's process beside its prefill).
+tokens; torch limited to ``--threads`` (the store runs on one thread of the engine's process beside its prefill).
 """
 
 from __future__ import annotations
