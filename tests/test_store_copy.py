@@ -86,3 +86,65 @@ def test_any_other_layout_is_refused_without_writing(case: str) -> None:
     before = [b.clone() for b in buffers]
     assert not copy_blocks(kv, block_ids, PER_CHUNK, buffers, indices)
     assert all(torch.equal(b, a) for b, a in zip(buffers, before, strict=True))
+
+
+class _Server:
+    """Stands in for LMCache's engine-driven server context: reserves ``reserve`` chunk buffers for the chunks at
+    ``indices`` and keeps what each commit hands it."""
+
+    def __init__(self, indices: list[int], dtype: Any) -> None:
+        self.indices, self.dtype = indices, dtype
+        self.commits: list[list[Any]] = []
+
+    def prepare_store(self, key: Any, instance: int) -> tuple[list[Any], list[int]]:
+        return _buffers(len(self.indices), self.dtype), list(self.indices)
+
+    def commit_store(self, key: Any, instance: int, chunks: list[Any]) -> bool:
+        self.commits.append([c.clone() for c in chunks])
+        return True
+
+
+def _context(server: _Server, layout: str) -> Any:
+    """LMCache's synchronous engine-driven context, registered (as its register() leaves it) on ``server``."""
+    from lmcache.lmcache_native import EngineKVFormat
+    from lmcache.v1.multiprocess.transfer_context import EngineDrivenTransferContext
+
+    context = EngineDrivenTransferContext(7, None)  # type: ignore[arg-type]
+    context._engine_driven_context = server
+    context._engine_kv_format = getattr(EngineKVFormat, layout)
+    return context
+
+
+@pytest.mark.parametrize("layout", ["NL_X_NB_NH_BS_CS", "NL_X_NB_BS_NH_CS"])
+def test_a_store_is_filled_here_only_for_the_layout_lmcache_detected_as_vllms_cpu_one(
+        layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixshare.adapters.vllm import _compat
+    from prefixshare.adapters.vllm._store_copy import submit_store
+
+    kv, block_ids = _kv(torch.float32), [3, 4, 9, 10, 11, 12]
+    gathered: list[Any] = []
+    monkeypatch.setattr(_compat, "lmcache_gather", lambda ctx, kv, ids, n, out, idx: gathered.append(idx) or out)
+    server = _Server([0, 2], torch.float32)
+    future, here = submit_store(_context(server, layout), "r", "key", kv, [block_ids], None, PER_CHUNK)
+    assert future.result() is True and len(server.commits) == 1
+    if layout == "NL_X_NB_NH_BS_CS":  # vLLM's CPU layout: prefixshare's copy, the bytes LMCache's would be
+        expected = _lmcache(kv, block_ids, torch.float32)
+        assert here and gathered == []
+        assert torch.equal(server.commits[0][0], expected[0]) and torch.equal(server.commits[0][1], expected[2])
+    else:  # the token-major layout has tensors of the same rank: LMCache's gather, not a guess from shapes
+        assert not here and gathered == [[0, 2]]
+
+
+def test_a_store_already_held_commits_nothing_and_other_contexts_are_left_to_themselves() -> None:
+    from prefixshare.adapters.vllm._store_copy import submit_store
+
+    server = _Server([], torch.float32)
+    future, here = submit_store(_context(server, "NL_X_NB_NH_BS_CS"), "r", "key", _kv(torch.float32), [[0, 1]],
+                                None, PER_CHUNK)
+    assert future.result() is True and not here and server.commits == []
+
+    class Other:
+        def submit_store(self, *args: Any) -> str:
+            return "its own"
+
+    assert submit_store(Other(), "r", "key", _kv(torch.float32), [[0, 1]], None, PER_CHUNK) == ("its own", False)

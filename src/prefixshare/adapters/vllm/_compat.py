@@ -72,9 +72,12 @@ def set_transfer_context(worker_adapter: Any, context: Any) -> None:
     worker_adapter.transfer_ctx = context
 
 
-def engine_driven_store(context: Any) -> tuple[Any, Any] | None:
-    """(LMCache's engine-driven server context, this worker's instance id) of a registered
-    ``EngineDrivenTransferContext`` exactly, or None (another context, or one not registered yet)."""
+def engine_driven_store(context: Any) -> tuple[Any, Any, bool] | None:
+    """(LMCache's engine-driven server context, this worker's instance id, whether the registered KV is vLLM's
+    CPU layout, ``NL x [blocks, kv_heads, block, 2 * head]`` by LMCache's own detection) of a registered
+    ``EngineDrivenTransferContext`` exactly, or None (another context, one not registered yet, or one without
+    the attributes :func:`lmcache_gather` passes on)."""
+    from lmcache.lmcache_native import EngineKVFormat
     from lmcache.v1.multiprocess.transfer_context import EngineDrivenTransferContext
 
     if type(context) is not EngineDrivenTransferContext:
@@ -83,7 +86,10 @@ def engine_driven_store(context: Any) -> tuple[Any, Any] | None:
     instance = getattr(context, "_instance_id", None)
     if driven is None or instance is None or not all(hasattr(driven, m) for m in ("prepare_store", "commit_store")):
         return None
-    return driven, instance
+    if not all(hasattr(context, a) for a in ("_layout_hints", "_engine_kv_format", "_engine_type")):
+        return None
+    head_major = getattr(EngineKVFormat, "NL_X_NB_NH_BS_CS", None)
+    return driven, instance, head_major is not None and context._engine_kv_format == head_major
 
 
 def single_group_block_ids(block_ids: Any) -> list[int]:

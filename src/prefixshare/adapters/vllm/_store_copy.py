@@ -14,7 +14,9 @@ blocks, straight into the reserved buffer. numpy copies on the calling thread, r
 (the engine's own thread goes on), and starts no OpenMP team. It handles vLLM's CPU layout: per layer
 ``[num_blocks, kv_heads, block_size, 2 * head_size]`` (K and V fused per head, head-major within a block), a chunk
 buffer ``[layers, chunk_tokens, kv_heads * 2 * head_size]`` (token-major), any element type (it copies bytes).
-For any other layout it copies nothing and returns False, and LMCache's gather makes the copy as before.
+:func:`submit_store` uses it only when LMCache's own detection named that layout (the token-major layout has
+tensors of the same rank), and :func:`copy_blocks` checks every shape against it and copies nothing (False) on
+any mismatch; LMCache's gather then makes the copy as before.
 ``tests/test_store_copy.py`` compares its bytes with LMCache's fallback's.
 """
 
@@ -88,7 +90,7 @@ def submit_store(context: Any, request_id: str, key: Any, kv_caches: dict[str, A
         return context.submit_store(request_id, key, kv_caches, block_ids, event, blocks_in_chunk), False
     from lmcache.v1.multiprocess.futures import MessagingFuture
 
-    driven, instance = parts
+    driven, instance, head_major = parts
     done: Any = MessagingFuture()
     reserved = driven.prepare_store(key, instance)
     out, indices = reserved if reserved is not None else (None, None)
@@ -96,8 +98,8 @@ def submit_store(context: Any, request_id: str, key: Any, kv_caches: dict[str, A
         done.set_result(True)
         return done, False
     ids = _compat.single_group_block_ids(block_ids)
-    here = out is not None and indices is not None and copy_blocks(kv_caches, ids, blocks_in_chunk, out,
-                                                                   list(indices))
+    here = (head_major and out is not None and indices is not None
+            and copy_blocks(kv_caches, ids, blocks_in_chunk, out, list(indices)))
     chunks = out[: len(indices)] if here else _compat.lmcache_gather(context, kv_caches, ids, blocks_in_chunk, out,
                                                                       indices)
     done.set_result(driven.commit_store(key, instance, chunks))
