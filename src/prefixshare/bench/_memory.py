@@ -15,7 +15,8 @@ Kinds, each one region per idle time, every page written once before the idle sp
 * ``anon_4k``: anonymous memory with transparent huge pages refused (``MADV_NOHUGEPAGE``);
 * ``anon_thp``: the same with ``MADV_HUGEPAGE`` (2 MiB pages where the kernel gives them);
 * ``shm``: a POSIX shared-memory file mapped shared, as the server's chunk buffers are;
-* ``page_cache_read``: a file in the page cache, read back (``preadv`` into a buffer touched just before).
+* ``page_cache_read``: a file in the page cache, read back into a buffer touched just before (as P3's raw
+  reads are timed).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from prefixshare.bench._micro import _read
 
 KINDS = ("anon_4k", "anon_thp", "shm", "page_cache_read")
 _MIB = 1 << 20
@@ -61,21 +64,11 @@ def _region(kind: str, size: int, work: Path, tag: str) -> Any:
 
 def _touch_seconds(kind: str, region: Any, payload: bytes, scratch: bytearray) -> float:
     """One timed access: a write of ``payload`` into the region, or a read of the file into ``scratch``."""
-    t0 = time.perf_counter()
     if kind == "page_cache_read":
-        fd = os.open(region, os.O_RDONLY)
-        try:
-            view, done = memoryview(scratch), 0
-            while done < len(scratch):
-                got = os.preadv(fd, [view[done:]], done)
-                if not got:
-                    raise OSError(f"{region} is shorter than written")
-                done += got
-        finally:
-            os.close(fd)
-    else:
-        region.seek(0)
-        region.write(payload)
+        return _read(region, scratch)
+    t0 = time.perf_counter()
+    region.seek(0)
+    region.write(payload)
     return time.perf_counter() - t0
 
 
@@ -110,5 +103,6 @@ def idle_memory(idles: list[float], size: int, rounds: int, work: Path | None = 
     keys = [f"{i:g}" for i in idles]
     gbps = {kind: {k: round(statistics.median(run[kind][k] for run in runs), 3) for k in keys} for kind in KINDS}
     return {"bytes": size, "idle_s": idles, "rounds": rounds, "gbps": gbps,
-            "ratio_to_first": {kind: {k: round(v / row[keys[0]], 3) for k, v in row.items()} for kind, row in gbps.items()},
+            "ratio_to_first": {kind: {k: round(v / row[keys[0]], 3) for k, v in row.items()}
+                               for kind, row in gbps.items()},
             "runs": [{kind: {k: round(v, 3) for k, v in row.items()} for kind, row in run.items()} for run in runs]}

@@ -87,6 +87,8 @@ def evict(path: Path) -> None:
 
 
 def _read(path: Path, buf: bytearray) -> float:
+    """Seconds to read ``path`` into ``buf`` (open included); a file shorter than ``buf`` is an error, not a
+    faster read."""
     mv = memoryview(buf)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
@@ -94,7 +96,7 @@ def _read(path: Path, buf: bytearray) -> float:
         while got < len(mv):
             n = f.readinto(mv[got:])
             if not n:
-                break
+                raise OSError(f"{path} is {got} bytes, {len(mv)} were to be read")
             got += n
     return time.perf_counter() - t0
 

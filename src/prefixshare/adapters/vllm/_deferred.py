@@ -23,9 +23,10 @@ worker's health flag, as a failed submit does (:class:`prefixshare.adapters.vllm
 stores queued behind it are then dropped unsent, as LMCache drops a store submitted to a server it knows is down.
 
 The copy itself is :mod:`prefixshare.adapters.vllm._store_copy`'s where the KV is vLLM's CPU layout (one pass,
-no OpenMP), LMCache's gather otherwise. Each store's copy runs on a thread of its own that ends with the store, not on the queue's long-lived thread
-(:mod:`prefixshare.adapters._threads` says why: a long-lived thread's OpenMP pool slowed every later load's copy
-1.7x on 2 cores, which is what P5 measured against LMCache's connector).
+no OpenMP), LMCache's gather otherwise. Each store's copy runs on a thread of its own that ends with the store,
+not on the queue's long-lived thread (:mod:`prefixshare.adapters._threads` says why: a long-lived thread's
+OpenMP pool slowed every later load's copy 1.7x on 2 cores, which is what P5 measured against LMCache's
+connector).
 """
 
 from __future__ import annotations
