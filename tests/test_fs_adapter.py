@@ -265,3 +265,52 @@ def test_servers_writing_different_digests_load_each_others_chunks(tmp_path: Pat
         slow.close()
     with pytest.raises(ValueError, match="xxh3"):
         CheckedFSL2AdapterConfig.from_dict({"base_path": str(tmp_path), "digest": "md5"})
+
+
+def test_a_task_completes_even_when_its_bookkeeping_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last chunk's thread completes the task: if what runs after the chunks raises (a listener of LMCache's),
+    the server still gets the task's result, with the chunks that were checked, instead of waiting for ever."""
+    a = adapter(tmp_path, io_threads=2)
+    try:
+        ks, data = keys(3), payloads(3)
+
+        def broken(*_: Any) -> None:
+            raise RuntimeError("a listener failed")
+
+        monkeypatch.setattr(a, "_notify_keys_stored", broken)
+        assert store(a, ks, data) == -1  # completed, and failed: its keys were not accounted
+        assert len(chunk_files(tmp_path)) == 3  # the chunks themselves were written whole
+        monkeypatch.setattr(a, "_notify_keys_accessed", broken)
+        loaded, dst = load(a, ks)
+        assert loaded == [0, 1, 2] and [bytes(o.byte_array) for o in dst] == data
+        assert a.verified == 3
+    finally:
+        a.close()
+
+
+def test_closing_fails_the_queued_chunks_and_completes_their_task(tmp_path: Path) -> None:
+    """Chunks still queued when the adapter closes are cancelled, and their load completes (as misses) before the
+    adapter's events are closed; a load submitted after close completes at once, empty."""
+    a = adapter(tmp_path, io_threads=1)
+    ks, data = keys(8), payloads(8)
+    store(a, ks, data)
+    gate = threading.Event()
+    real = a._read_checked
+
+    def slow(path: Path, dst: memoryview) -> Any:
+        gate.wait(10)
+        return real(path, dst)
+
+    a._read_checked = slow  # type: ignore[method-assign]
+    dst = [Obj(CHUNK) for _ in ks]
+    task = a.submit_load_task(ks, dst)
+    closer = threading.Thread(target=a.close)
+    closer.start()
+    time.sleep(0.2)  # close is waiting for the running chunk; the queued ones are cancelled
+    gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    bitmap = a._completed_load_tasks.pop(task)
+    assert bitmap.get_indices_list() in ([], [0])  # at most the chunk that was running when close began
+    late = a.submit_load_task(ks, [Obj(CHUNK) for _ in ks])
+    assert a._completed_load_tasks.pop(late).get_indices_list() == []

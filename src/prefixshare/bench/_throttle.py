@@ -17,7 +17,6 @@ a congested NFS mount, a remote object store — the case in which loading loses
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from typing import Any
@@ -53,15 +52,18 @@ class ThrottledFSL2Adapter(CheckedFSL2Adapter):
         gbps = data.get("read_gbps")
         self.read_bytes_per_s = float(gbps) * 1e9 if gbps else None
 
-    async def _execute_load(self, keys: list[Any], objects: list[Any], task_id: Any) -> None:  # type: ignore[override]
+    def _start_load(self, keys: list[Any], objects: list[Any], task_id: Any) -> None:
+        """The fs tier's load, started after the delay (a timer on the adapter's event loop: no thread waits)."""
         if self.control_path:
             self._reload()
         delay = self.chunk_delay_s * len(keys)
         if self.read_bytes_per_s:
             delay += sum(len(obj.byte_array) for obj in objects) / self.read_bytes_per_s
-        if delay > 0:
-            await asyncio.sleep(delay)
-        await super()._execute_load(keys, objects, task_id)
+        if delay <= 0:
+            super()._start_load(keys, objects, task_id)
+            return
+        start = super()._start_load
+        self._loop.call_soon_threadsafe(lambda: self._loop.call_later(delay, start, keys, objects, task_id))
 
     def report_status(self) -> dict[str, Any]:
         status = super().report_status()
