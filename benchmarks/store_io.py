@@ -84,9 +84,10 @@ def measure(work: Path, before: str, reps: int) -> dict[str, Any]:
         adapters = {k: make(dirs[k]) for k, make in makers.items()}
         times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in adapters}
         try:
-            for _ in range(reps):
-                for k, a in adapters.items():
-                    times[k].append(fs_l2_round(a, dirs[k], chunk_bytes, n // CHUNK_TOKENS, payload))
+            names = list(adapters)
+            for rep in range(reps):  # the order rotates each repetition: none is always first or after another
+                for k in names[rep % len(names):] + names[:rep % len(names)]:
+                    times[k].append(fs_l2_round(adapters[k], dirs[k], chunk_bytes, n // CHUNK_TOKENS, payload))
         finally:
             for a in adapters.values():
                 a.close()
