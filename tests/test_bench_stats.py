@@ -6,6 +6,7 @@ import math
 import random
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,15 @@ def test_the_idle_memory_probe_times_every_kind_and_leaves_nothing_behind(tmp_pa
     from prefixshare.bench._report import _idle_memory
 
     shm_before = {p for p in os.listdir("/dev/shm") if p.startswith("prefixshare-idle-")}
-    result = idle_memory([0.2, 0.0], 2 << 20, 2, work=tmp_path)
-    assert result["idle_s"] == [0.0, 0.2] and result["bytes"] == 2 << 20 and len(result["runs"]) == 2
+    t0 = time.perf_counter()
+    result = idle_memory([0.6, 0.2, 0.0], 2 << 20, 2, work=tmp_path)
+    # a short spell (0.2 s) is waited out per kind, after a touch of its own; the long one (0.6 s) once per round,
+    # after the short ones
+    assert time.perf_counter() - t0 >= 2 * (len(KINDS) * 0.2 + 0.6)
+    assert result["idle_s"] == [0.0, 0.2, 0.6] and result["bytes"] == 2 << 20 and len(result["runs"]) == 2
     assert set(result["gbps"]) == set(KINDS)
     for kind in KINDS:
-        assert set(result["gbps"][kind]) == {"0", "0.2"} and all(v > 0 for v in result["gbps"][kind].values())
+        assert set(result["gbps"][kind]) == {"0", "0.2", "0.6"} and all(v > 0 for v in result["gbps"][kind].values())
         assert result["ratio_to_first"][kind]["0"] == 1.0
     # its regions are gone: no file in its work directory, no shared-memory file
     assert list(tmp_path.iterdir()) == []

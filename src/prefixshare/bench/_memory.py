@@ -1,5 +1,5 @@
-"""What the machine charges for memory that sat idle: the first write into (or read of) pages nobody touched for a
-few seconds, against the same access a moment after the pages were touched.
+"""What the machine charges for memory that sat idle: the first write into (or read of) pages nobody touched for
+milliseconds to seconds, against the same access right after the pages were touched.
 
 A store's path touches memory that waits between requests: the engine's copy of a request's KV goes into the
 server's chunk buffers (POSIX shared memory, allocated when the server starts) and the fs tier writes through the
@@ -7,8 +7,11 @@ page cache. On a virtual machine whose host reclaims guest memory that sits idle
 after an idle spell costs a fault the guest does not see (its own page-fault counters stay flat); the time goes
 to the host. A raw engine's prefill touches its own KV blocks the same way, but a pre-warm or a stored miss
 touches more memory per request than the prefill alone, so on such a host it pays more than the raw engine.
-The benchmark records this probe beside P3 and P6, whose figures it can explain (``benchmarks/idle_memory.py``
-runs it on its own, over longer idle times).
+The cost can start within milliseconds and varies with the host's state: page-cache reads of 25 MiB ran 11.5 GB/s
+at once, 7 GB/s after 20 ms and 3.3 GB/s after 50 ms in one run, and 5.8 GB/s at once, 5.6 GB/s after 50 ms and
+4.7 GB/s after 200 ms in another (run 20261207T030639Z-6857cc); so any two accesses compared in a benchmark must
+start from the same state. The benchmark records this probe beside P3 and P6, whose figures it can explain
+(``benchmarks/idle_memory.py`` runs it on its own, over other idle times).
 
 Kinds, each one region per idle time, every page written once before the idle spell:
 
@@ -72,16 +75,33 @@ def _touch_seconds(kind: str, region: Any, payload: bytes, scratch: bytearray) -
     return time.perf_counter() - t0
 
 
+#: idle spells up to this long are timed from an access of their own region right before (touch, wait, time):
+#: on this box the cost grows within milliseconds, and the spells of the shared schedule below drift by the
+#: tens of milliseconds that writing every region and timing the other kinds take
+SHORT_IDLE_S = 0.5
+
+
 def idle_round(idles: list[float], size: int, work: Path, tag: str) -> dict[str, dict[str, float]]:
-    """GB/s per kind and idle time (seconds, as the key's string), for one round: every region written, then each
-    timed once its idle time has passed (idle times in increasing order)."""
+    """GB/s per kind and idle time (seconds, as the key's string), for one round. A short idle time
+    (``SHORT_IDLE_S`` or less; 0: *touched just before*) is timed right after an untimed access of its own region
+    and a wait of that long; the longer ones share one schedule: each of their regions accessed, then each timed
+    once its idle time has passed (in increasing order)."""
     payload = _filled(size)
     scratch = bytearray(payload)  # the reads' destination, touched just now
     regions = {(kind, idle): _region(kind, size, work, f"{tag}-{kind}-{idle:g}") for idle in idles for kind in KINDS}
-    touched = time.perf_counter()
     out: dict[str, dict[str, float]] = {kind: {} for kind in KINDS}
+    short, long = [i for i in sorted(idles) if i <= SHORT_IDLE_S], [i for i in sorted(idles) if i > SHORT_IDLE_S]
     try:
-        for idle in sorted(idles):
+        for idle in short:
+            for kind in KINDS:
+                _touch_seconds(kind, regions[(kind, idle)], payload, scratch)
+                time.sleep(idle)
+                out[kind][f"{idle:g}"] = size / _touch_seconds(kind, regions[(kind, idle)], payload, scratch) / 1e9
+        for idle in long:  # touched again now: their spells start here, not when the short ones began
+            for kind in KINDS:
+                _touch_seconds(kind, regions[(kind, idle)], payload, scratch)
+        touched = time.perf_counter()
+        for idle in long:
             time.sleep(max(0.0, touched + idle - time.perf_counter()))
             for kind in KINDS:
                 out[kind][f"{idle:g}"] = size / _touch_seconds(kind, regions[(kind, idle)], payload, scratch) / 1e9

@@ -160,10 +160,10 @@ def fs_l2_round(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, pa
     cache warm and evicted, checked and removed: (store, warm load, evicted load) seconds.
 
     The warm load is timed right after an untimed one, as :func:`raw_io` times its warm read right after an
-    untimed read: on this box a read of memory left alone for milliseconds is slower (25 MB: 11.5 GB/s at once,
-    7 GB/s after 20 ms, 3.3 GB/s after 50 ms), so the two are timed from the same state or the ratio measures the
-    gap between them (run 5d1f42051677: 1k 0.66x with raw re-read at once and the adapter ~30 ms after the store;
-    1.04-1.09x when both start alike)."""
+    untimed read: on this box a read of memory left alone for milliseconds can be slower (25 MB in one run: 11.5 GB/s
+    at once, 7 GB/s after 20 ms, 3.3 GB/s after 50 ms; :mod:`prefixshare.bench._memory`), so the two are timed
+    from the same state or the ratio measures the gap between them (run 5d1f42051677: 1k 0.66x with raw re-read
+    at once and the adapter ~30 ms after the store; 1.04-1.09x ad hoc when both started alike)."""
     import uuid
 
     from lmcache.v1.distributed.api import ObjectKey

@@ -917,11 +917,13 @@ def _idle_memory(idle: dict[str, Any] | None) -> list[str]:
         gbps, ratio = idle["gbps"][kind], idle["ratio_to_first"][kind]
         out.append(f"| {label} | " + " | ".join(
             f"{gbps[k]:.2f} GB/s" + ("" if k == keys[0] else f" ({ratio[k]:.2f}×)") for k in keys) + " |")
-    out += ["", "Ratios well below 1 mean the host reclaims memory that sits idle: the first touch of each page after "
-            "an idle spell goes to the host (the guest's own page-fault counters do not move), and 4 KiB pages pay "
-            "it per page. A pre-warm or a stored miss writes its KV into chunk buffers and files that may have sat "
-            "idle since the last request; the raw prefill writes only its own KV blocks. "
-            "`python benchmarks/idle_memory.py` runs the probe over longer idle spells.", ""]
+    out += ["", "Ratios well below 1 mean this machine charges for memory left alone: the cost starts within "
+            "milliseconds (idle spells under a second are timed right after an access of the same memory) and grows "
+            "over seconds, while the guest's own page-fault counters do not move, so the time goes to the host, and "
+            "4 KiB pages pay it per page. A pre-warm or a stored miss writes its KV into chunk buffers and files that "
+            "may have sat idle since the last request; the raw prefill writes only its own KV blocks. Two timings "
+            "compared on this page start from the same state for the same reason (P3's warm reads: both right after "
+            "an untimed read). `python benchmarks/idle_memory.py` runs the probe over other idle spells.", ""]
     return out
 
 

@@ -319,7 +319,8 @@ class Bench:
         self.log("what idle memory costs on this machine ...")
         t0 = time.perf_counter()
         size = max(1, round(min(s.lengths) * kvb / (1 << 20))) << 20
-        result = idle_memory([0.0, 1.0] if s.quick else [0.0, 1.0, 5.0], size, 1 if s.quick else 2, work=self.work)
+        result = idle_memory([0.0, 1.0] if s.quick else [0.0, 0.05, 1.0, 5.0], size, 1 if s.quick else 2,
+                             work=self.work)
         self.timings["idle_memory_s"] = round(time.perf_counter() - t0, 1)
         return result
 

@@ -127,7 +127,8 @@ class CheckedFSL2Adapter(FSL2Adapter):
         """``fn(*args)`` for every ``args`` in ``calls`` on the I/O threads, ``io_threads`` at a time, then
         ``then(results)`` (every result or exception, in order) in the thread that ran the last call. Called from
         the server's thread: the first reads or writes start at once, with no hop through the adapter's event
-        loop (two thread wake-ups, about 1 ms of a 1k-token load on a busy 2-core box; benchmarks/store_io.py)."""
+        loop (two thread wake-ups: 0.5-1 ms of a 1k-token load on this 2-core box; 1k warm reads 0.84x -> 0.94x
+        raw in benchmarks/store_io.py run 20261207T021927Z-1d5db0)."""
         results: list[Any] = [None] * len(calls)
         left = [len(calls)]
         lock = threading.Lock()
