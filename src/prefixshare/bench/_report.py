@@ -410,7 +410,8 @@ def _md_store(rows: dict[str, Any], lengths: list[int], digest: str) -> list[str
         f"file layout, a pool of 4 I/O threads, and the integrity digest: {digest} over every chunk, on store and on "
         "load; `integrity: none` drops it). *Raw*: one file of the same total size, sequential `write`/`readinto`. "
         "*Read (cache)*: raw and adapters alike timed right after an untimed read of the same bytes (on this box "
-        "memory left alone for milliseconds reads 2-3x slower, so both start from the same state); *read (evicted)*: "
+        "memory left alone for milliseconds can read slower, 2-3x in one run, so both start from the same state); "
+        "*read (evicted)*: "
         "after the files were dropped from the page cache. The goal is judged on prefixshare's adapter, the one users "
         "get.",
         "",
