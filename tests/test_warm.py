@@ -378,6 +378,161 @@ def test_missing_chunks_fail_verification(setup: Any) -> None:
         warm(ps, {"guide": _docs()["guide"]}, eng, verify_timeout_s=0.3)
     result = info.value.report.documents[0]  # type: ignore[union-attr]
     assert result.status == "failed" and result.verified is False and "chunks are not in the store" in result.reason
+    # prefilled again twice (retries=2), the engine's prefix cache emptied before each
+    assert result.attempts == 3 and len(eng.calls) == 3 and eng.resets == 2
+    assert info.value.report.totals()["retried"] == 1  # type: ignore[union-attr]
+
+
+MIB = 4096 * CHUNK * 4  # the fake engine's KV of a 256-token document (4 chunks)
+
+
+class L1Engine(FakeEngine):
+    """A FakeEngine behind a server memory of ``capacity`` bytes that drops a store it has no room for, as
+    LMCache's MP server does, and evicts down to 64 % every TICK_S when over its 80 % watermark (the server:
+    once a second), so a client that finds it full sees room only some time later. Its ``/status`` is
+    :meth:`status` (an httpx transport's handler)."""
+
+    TICK_S = 0.3
+
+    def __init__(self, *args: Any, capacity: int, **kwargs: Any) -> None:
+        import time
+
+        super().__init__(*args, **kwargs)
+        self.capacity, self.used, self.tick = capacity, 0, time.monotonic()
+        self.dropped: list[str] = []
+        self.readings: list[int] = []
+
+    def _evict(self) -> None:
+        import time
+
+        now = time.monotonic()
+        while now - self.tick >= self.TICK_S:
+            self.tick += self.TICK_S
+            if self.used >= 0.8 * self.capacity:
+                self.used = int(self.capacity * 0.64)
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[PrefillResult]:
+        self._evict()
+        kept = []
+        for req in requests:
+            need = len(self.hasher.hashes(req.token_ids)) * 4096 * CHUNK
+            if self.used + need > self.capacity:
+                self.dropped.append(req.kv_transfer_params["prefixshare.document_id"])
+                continue
+            self.used += need
+            kept.append(req)
+        super().prefill(kept)
+        self.calls[-1] = requests
+        return [PrefillResult(0) for _ in requests]
+
+    def status(self, request: Any) -> Any:
+        import httpx
+
+        assert request.url.path == "/status"
+        self._evict()
+        self.readings.append(self.used)
+        return httpx.Response(200, json={"storage_manager": {
+            "l1_usage": [self.used, self.capacity], "l1_manager": {"staging_object_count": 0},
+            "store_controller": {"pending_keys_count": 0, "in_flight_task_count": 0},
+            "l1_eviction_controller": {"trigger_watermark": 0.8}}})
+
+
+@pytest.fixture
+def l1_setup(setup: Any, tiny: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, L1Engine, Path]:
+    """16 documents (16 MiB of KV) through a 10 MiB server memory, its /status served by the engine."""
+    import functools
+
+    import httpx
+
+    import prefixshare.warm._warm as warm_module
+    from prefixshare.warm._room import ServerRoom
+
+    ps, _, store = setup
+    eng = L1Engine(tiny, tokenizer, ps.policy, store, capacity=10 * MIB)
+    monkeypatch.setattr(warm_module, "ServerRoom",
+                        functools.partial(ServerRoom, transport=httpx.MockTransport(eng.status)))
+    return ps, eng, store
+
+
+def _corpus() -> dict[str, str]:
+    from prefixshare.model import document_text
+
+    return {f"manual-{i}": document_text(2000, seed=100 + i) for i in range(16)}
+
+
+def _fit_256(tokenizer: Any) -> dict[str, str]:
+    """The corpus, each document cut to 256-300 prefix tokens (4 chunks: MIB of KV)."""
+    out = {}
+    for doc_id, text in _corpus().items():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out[doc_id] = tokenizer.decode(ids[:400])
+        while len(prefix_ids(tokenizer, Template(), out[doc_id])) > 300:
+            out[doc_id] = out[doc_id][:-20]
+        assert len(prefix_ids(tokenizer, Template(), out[doc_id])) >= 256
+    return out
+
+
+def test_room_reads_status_and_turns_pacing_off_when_the_server_cannot_say() -> None:
+    import httpx
+
+    from prefixshare._log import get_logger
+    from prefixshare.warm._room import ServerRoom, parse_room
+
+    assert parse_room({"storage_manager": {"l1_usage": [1, 0]}}) is None  # no capacity: cannot tell
+    assert parse_room({"is_healthy": True}) is None  # another LMCache's /status
+    calls: list[int] = []
+
+    def old_server(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(200, json={"is_healthy": True})
+
+    room = ServerRoom("http://server", log=get_logger("test"), transport=httpx.MockTransport(old_server))
+    assert room.fit([10, 10, 10]) == 3 and room.error and room.settled() is None
+    assert room.fit([10]) == 1 and len(calls) == 1  # asked once, then pacing is off
+    room.close()
+
+
+def test_warm_paces_its_engine_calls_to_the_servers_memory(l1_setup: Any, tokenizer: Any) -> None:
+    """The whole corpus in one engine call would overflow the server's memory (16 MiB into 10): warm sends only
+    what the memory has room for, waits for its eviction when none is left, and loses no document. The negative
+    control, pace=False and no retries, loses the documents that did not fit."""
+    ps, eng, store = l1_setup
+    docs = _fit_256(tokenizer)
+    report = warm(ps, docs, eng, retries=0)
+    assert report.ok and not eng.dropped and len(report.warmed) == 16
+    assert all(d.attempts == 1 and d.verified is True for d in report.warmed)
+    assert len(eng.calls) > 2 and sum(len(c) for c in eng.calls) == 16  # cut into several calls
+    assert max(eng.readings) >= 0.8 * eng.capacity  # it did fill the memory up to the watermark...
+    assert report.paced_seconds > 0  # ...and waited for the eviction
+
+    for chunk in store.glob("*.data"):
+        chunk.unlink()
+    eng.calls.clear()
+    eng.used = 0
+    unpaced = warm(ps, docs, eng, retries=0, pace=False, strict=False, verify_timeout_s=0.3, force=True)
+    assert len(eng.calls) == 1 and len(eng.dropped) == 6  # 10 fit, 6 dropped
+    assert {d.id for d in unpaced.failed} == set(eng.dropped)
+
+
+def test_documents_the_server_dropped_are_prefilled_again(l1_setup: Any, tokenizer: Any) -> None:
+    """Without pacing the server drops 6 of 16 documents; verification sees the server has no store in
+    progress, stops waiting after STALL_S (not the 30 s timeout), and warm prefills those 6 again (after
+    emptying the engine's prefix cache; unpaced again, so 3 are dropped again and prefilled a third time), and
+    they land."""
+    import time
+
+    from prefixshare.warm._warm import STALL_S
+
+    ps, eng, _ = l1_setup
+    t0 = time.monotonic()
+    report = warm(ps, _fit_256(tokenizer), eng, pace=False, verify_timeout_s=30.0)
+    seconds = time.monotonic() - t0
+    assert report.ok and len(report.warmed) == 16 and all(d.verified is True for d in report.warmed)
+    attempts = {d.id: d.attempts for d in report.warmed}
+    assert len(eng.dropped) == 9 and sorted(attempts.values()) == [1] * 10 + [2] * 3 + [3] * 3
+    assert {i for i, n in attempts.items() if n > 1} == set(eng.dropped) and report.totals()["retried"] == 6
+    assert eng.resets == 2 and "retry" in report.phases
+    assert STALL_S <= report.phases["verify"] < 10 and seconds < 25
 
 
 def test_verification_polls_promptly_for_chunks_the_server_writes_late(setup: Any,
@@ -786,8 +941,10 @@ def test_the_lookup_reads_a_real_servers_answer(tmp_path: Path) -> None:
     from lmcache.v1.multiprocess.transfer_context import EngineDrivenTransferContext
     from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
+    from prefixshare._log import get_logger
     from prefixshare.server import LMCacheServer
     from prefixshare.warm._lookup import LookupUnavailable, ServerLookup
+    from prefixshare.warm._room import ServerRoom
 
     model, tokens, block = "prefixshare-lookup-probe", list(range(1000, 1128)), 16
     policy = Policy.build(chunk_size=32, l1={"size_gb": 0.1},
@@ -819,6 +976,10 @@ def test_the_lookup_reads_a_real_servers_answer(tmp_path: Path) -> None:
             held = lookup.held(tokens[:20], "s1", deadline)  # less than a chunk
             assert (held.found, held.total, held.chunks) == (0, 0, 0) and not held.complete
             lookup.close()
+            # warm's pacing reads the same /status: the memory's usage and the stores in progress
+            room = ServerRoom(server.http_url, log=get_logger("test")).read()
+            assert room is not None and room.total == int(0.1 * 2**30) and 0 < room.used < room.total
+            assert room.watermark == 0.8 and room.idle and not room.evicting
         finally:
             ctx.unregister().result(timeout=10)
             ctx.close()

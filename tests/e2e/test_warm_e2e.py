@@ -212,7 +212,7 @@ def _resp_warm_main(spec_path: str) -> None:
 
     tokenizer = llm.get_tokenizer()
     lost_chunks = len(prefix_ids(tokenizer, as_template(None).resolve(tokenizer), docs["beta"])) // spec["chunk"]
-    out["lost"] = warm(ps, {"beta": docs["beta"]}, llm, strict=False, verify_timeout_s=3.0,
+    out["lost"] = warm(ps, {"beta": docs["beta"]}, llm, strict=False, verify_timeout_s=3.0, retries=0,
                        progress=lose_them).to_dict()
     # warmed again: the server, asked first, no longer holds it
     out["back"] = warm(ps, {"beta": docs["beta"]}, llm, strict=False).to_dict()
@@ -251,3 +251,50 @@ def test_warm_on_redis_is_checked_by_the_server_and_the_check_can_fail(
     assert f"holds 0 of the {lost['chunks']} objects" in lost["reason"] and out["lost"]["ok"] is False
     back = out["back"]["documents"][0]
     assert back["status"] == "warmed" and back["verified"] is True, back
+
+
+# --- a corpus larger than the server's memory -----------------------------------------------------------------
+
+#: 48 documents of 4 chunks (1 MiB of the tiny model's KV each) through a 16 MiB server memory that evicts half of
+#: itself once a second above 80 %
+CORPUS_DOCS, CORPUS_WORDS, L1_MIB = 48, 215, 16
+
+
+def test_a_corpus_larger_than_the_servers_memory_is_warmed_whole(work: Path, model: Path) -> None:
+    """The server drops a store it has no memory for. Unpaced and without retries (the negative control), a
+    corpus sent in one engine call loses documents; warm as it runs by default sends each engine call what the
+    server's memory has room for (waiting for its eviction), prefills again what verification still finds
+    missing, and every document reaches the store; questions about three of them, this replica's prefix cache
+    emptied, load their prefix from the store and answer like a cold model."""
+    from prefixshare.model import document_text
+
+    policy = Policy.build(chunk_size=CHUNK, l1={"size_gb": L1_MIB / 1024, "eviction_ratio": 0.5},
+                          l2=[{"type": "fs", "base_path": str(work / "store-corpus"), "create": True}],
+                          server={"port": free_port(), "http_port": free_port(), "start_timeout_s": 120})
+
+    def corpus(name: str, seed: int) -> dict[str, str]:
+        return {f"{name}-{i}": document_text(CORPUS_WORDS, seed=seed + i) for i in range(CORPUS_DOCS)}
+
+    ask = ["paced-0", f"paced-{CORPUS_DOCS // 2}", f"paced-{CORPUS_DOCS - 1}"]
+    with LMCacheServer(policy) as srv:
+        spec = {"model": str(model), "policy_file": str(write_policy_file(work / "policy-corpus.yaml", srv.policy)),
+                "instance": f"warm-corpus-{os.getpid()}", "control": corpus("control", 500),
+                "corpus": corpus("paced", 700), "batch_tokens": 16384, "ask": ask,
+                "question": "What is the harbor called?", "max_tokens": 6}
+        out, _ = run_helper(work, "warm-corpus", TESTS / "helpers" / "warm_corpus.py", spec)
+        dropped = srv.log_path.read_text().count("Failed to batched allocate")
+    (work / "warm-corpus.result.json").write_text(json.dumps(out, indent=1))
+    control, paced = out["control"], out["paced"]
+    chunks = {d["chunks"] for d in control["documents"] + paced["documents"]}
+    assert chunks == {4}, chunks  # every document 1 MiB of KV: the corpus is 3x the server's memory
+    # the fault happened: the server dropped stores, and the control lost documents to it
+    assert dropped > 0 and control["totals"]["failed"] >= CORPUS_DOCS // 4, (dropped, control["totals"])
+    assert all(d["attempts"] == 1 for d in control["documents"]) and control["paced_seconds"] == 0
+    # warm as it runs by default: every document in the store
+    assert paced["ok"] and paced["totals"]["warmed"] == paced["totals"]["verified"] == CORPUS_DOCS, paced["totals"]
+    assert paced["paced_seconds"] > 0
+    # loaded from the store, answered like a cold model
+    for answer in out["answers"]:
+        assert answer["cached"] >= 4 * CHUNK, answer
+    assert out["tokens_loaded"] >= len(ask) * 4 * CHUNK
+    assert [a["token_ids"] for a in out["answers"]] == hf_greedy(model, [a["prompt"] for a in out["answers"]], 6)

@@ -401,7 +401,8 @@ def _warm_corpus(llm: Any, ps: Any, step: dict[str, Any]) -> dict[str, Any]:
                   progress=progress)
     seconds = time.perf_counter() - t0
     full = report.to_dict()
-    return {"seconds": seconds, "report": {k: full[k] for k in ("totals", "rates", "ok", "verification")},
+    keys = ("totals", "rates", "ok", "verification", "phases", "paced_seconds")
+    return {"seconds": seconds, "report": {k: full[k] for k in keys},
             "progress": samples, "ids": [prefix_ids(tok, template, text) for _, text in step["docs"]]}
 
 

@@ -128,6 +128,9 @@ def register(app: typer.Typer) -> None:
         batch_tokens: int = typer.Option(16384, "--batch-tokens", min=1, help="Tokens per engine call."),
         verify_timeout: float = typer.Option(30.0, "--verify-timeout", help="Seconds to wait for every chunk "
                                              "to reach the store."),
+        retries: int = typer.Option(2, "--retries", min=0, help="Times to prefill again a document whose chunks "
+                                    "the store lacks after the server finished writing (it drops stores it has "
+                                    "no memory for)."),
         json: bool = JSON_OPTION,
     ) -> None:
         """Prefill documents once so every replica loads them; verify the store and record them.
@@ -159,7 +162,7 @@ def register(app: typer.Typer) -> None:
         report = _run(loaded, str(policy), str(Path(model).expanduser().resolve()), docs, tpl, engine=engine,
                       force=force,
                       tenant=tenant, split=split, batch_tokens=batch_tokens, verify_timeout=verify_timeout,
-                      engine_kwargs={"dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
+                      retries=retries, engine_kwargs={"dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
                                      "extra": _engine_args(engine_arg)},
                       quiet_stdout=json, show_progress=not json)
         if json:
@@ -171,7 +174,8 @@ def register(app: typer.Typer) -> None:
 
 
 def _run(policy: Any, policy_file: str, model: str, docs: Any, template: Any, *, engine: str, force: bool,
-         tenant: str | None, split: bool, batch_tokens: int, verify_timeout: float, engine_kwargs: dict[str, Any],
+         tenant: str | None, split: bool, batch_tokens: int, verify_timeout: float, retries: int,
+         engine_kwargs: dict[str, Any],
          quiet_stdout: bool, show_progress: bool) -> Any:
     from prefixshare.warm import apply_engine_env, sglang_engine_kwargs, vllm_engine_kwargs
 
@@ -197,7 +201,8 @@ def _run(policy: Any, policy_file: str, model: str, docs: Any, template: Any, *,
         try:
             with progress_cm, runtime_errors("warming failed"):
                 report = warm(ps, docs, llm, prefix=template, force=force, tenant=tenant, split=split,
-                              batch_tokens=batch_tokens, verify_timeout_s=verify_timeout, strict=False,
+                              batch_tokens=batch_tokens, verify_timeout_s=verify_timeout, retries=retries,
+                              strict=False,
                               progress=callback)
         finally:
             _shutdown(llm)
@@ -297,3 +302,6 @@ def _print_report(report: Any) -> None:
               f"{t['failed']} not warmed; {t['warmed_tokens']:,} tokens ({human_size(t['warmed_bytes'])}) written "
               f"in {report.seconds:.1f} s; {t.get('verified', 0)} verified in the store, {t.get('unverified', 0)} "
               "unverified")
+    if t.get("retried") or report.paced_seconds >= 1.0:
+        out.print(f"{t.get('retried', 0)} prefilled more than once; {report.paced_seconds:.1f} s waiting for room in "
+                  "the server's memory")

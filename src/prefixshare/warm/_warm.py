@@ -34,6 +34,7 @@ from prefixshare.warm._chunks import NamespaceIndex
 from prefixshare.warm._documents import Document, DocumentError, _from_string, _pair, resolve_documents, split_text
 from prefixshare.warm._lookup import CALL_TIMEOUT_S, Held, LookupUnavailable, ServerLookup
 from prefixshare.warm._registry import DocumentRecord, Registry, encode_ids
+from prefixshare.warm._room import ServerRoom
 from prefixshare.warm._template import Template, as_template, prefix_ids, question_ids, tokens_digest
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,6 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover
 #: tokens per engine call when warming many documents (progress is reported after each call)
 DEFAULT_BATCH_TOKENS = 16384
 DEFAULT_VERIFY_TIMEOUT_S = 30.0
+#: how many times warm prefills a document again when verification finds chunks of it missing
+DEFAULT_RETRIES = 2
 
 WARMED, SKIPPED, TOO_SHORT, REFUSED, FAILED = "warmed", "skipped", "too_short", "refused", "failed"
 #: how warm checks that the store holds a document: on an fs tier's directory, or by asking the MP server
@@ -93,6 +96,9 @@ class DocumentResult:
     verified_by: str | None = None
     reason: str = ""
     part_of: str | None = None
+    #: engine calls that prefilled it (more than one: verification found chunks missing, or the engine's own
+    #: prefix cache answered the first call, and warm prefilled it again)
+    attempts: int = 0
 
 
 @dataclass
@@ -113,8 +119,14 @@ class WarmReport:
     #: wall seconds of each step of the call, in order: "plan" (tokenizing, the fingerprint, the store's
     #: directory scan), "triage" (what the store already holds, admission), "prefill" (the engine's batches and
     #: the copies of their KV into the server), "verify" (until the store holds every chunk), "record" (the
-    #: registry). What a slow warm spends its time on, without a profiler.
+    #: registry); "retry" (prefilling and verifying again the documents verification found incomplete) and
+    #: "settle" (waiting for the server's memory to fall below its eviction watermark, so that loads right after
+    #: warm find room) come between "verify" and "record" when warm needed them. What a slow warm spends its
+    #: time on, without a profiler.
     phases: dict[str, float] = field(default_factory=dict)
+    #: seconds spent pacing: reading the server's memory before each engine call, waiting for room in it (both
+    #: within "prefill" and "retry"), and the "settle" step (see :mod:`prefixshare.warm._room`)
+    paced_seconds: float = 0.0
 
     def _with(self, *statuses: str) -> list[DocumentResult]:
         return [d for d in self.documents if d.status in statuses]
@@ -151,6 +163,9 @@ class WarmReport:
             "warmed_tokens": sum(d.chunk_tokens for d in self.warmed),
             "warmed_bytes": sum(d.bytes for d in self.warmed),
             "stored_bytes": sum(d.bytes for d in self._with(WARMED, SKIPPED)),
+            # documents prefilled more than once (verification found chunks missing, or the engine's own prefix
+            # cache answered the first prefill)
+            "retried": sum(1 for d in self.documents if d.attempts > 1),
         }
 
     def rates(self) -> dict[str, float | None]:
@@ -171,6 +186,7 @@ class WarmReport:
         return {"namespace": self.namespace, "fingerprint": self.fingerprint, "engine": self.engine,
                 "chunk_size": self.chunk_size, "store": self.store, "seconds": round(self.seconds, 3),
                 "verification": self.verification, "ok": self.ok, "totals": self.totals(), "rates": self.rates(),
+                "paced_seconds": round(self.paced_seconds, 3),
                 "phases": {name: round(seconds, 4) for name, seconds in self.phases.items()},
                 "documents": [asdict(d) for d in self.documents]}
 
@@ -241,6 +257,8 @@ def warm(
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     verify: bool | str = True,
     verify_timeout_s: float = DEFAULT_VERIFY_TIMEOUT_S,
+    retries: int = DEFAULT_RETRIES,
+    pace: bool = True,
     strict: bool = True,
     progress: Callable[[WarmProgress], None] | None = None,
 ) -> WarmReport:
@@ -258,8 +276,12 @@ def warm(
     directory when the policy has one, else asks the node's MP server which chunks it holds (any tier: see
     :mod:`prefixshare.warm._lookup` for that lookup and its side effect, a load from L2 into the server's
     memory); ``"fs"`` or ``"server"`` pick one; False skips the check. A document the check finds incomplete
-    is ``failed`` (``verified=False``); one that could not be checked stays ``warmed`` with ``verified=None``
-    and a reason starting "unverified:". A document longer than the context
+    is prefilled again (the engine's prefix cache emptied first) up to ``retries`` times, then ``failed``
+    (``verified=False``); one that could not be checked stays ``warmed``, ``verified=None``, with a reason
+    starting "unverified:". Verification stops early when nothing lands and the server has no store in progress.
+    ``pace``: before each engine call, send only the documents whose KV the server's memory (L1) has room for,
+    waiting (bounded) for its eviction when none fits; the server drops a store it has no memory for (see
+    :mod:`prefixshare.warm._room`). A document longer than the context
     (``max_model_len - max(reserve_tokens, 1)``) raises :class:`DocumentTooLongError` before anything is
     warmed, unless ``split=True``.
 
@@ -272,16 +294,14 @@ def warm(
     policy = ps.policy
     mode = _verify_mode(verify, bool(policy.directories))  # a bad value fails before any engine work
     eng = ps.warm_engine(engine)
-    tokenizer = eng.tokenizer
-    template = as_template(prefix).resolve(tokenizer)
-    documents = resolve_documents(docs)
+    template = as_template(prefix).resolve(eng.tokenizer)
     limit = eng.max_model_len - max(int(reserve_tokens), 1)
 
     # 1. tokenize every document before any engine work, so a too-long one stops everything
-    planned = _plan(eng, tokenizer, template, documents, limit, split)
+    planned = _plan(eng, eng.tokenizer, template, resolve_documents(docs), limit, split)
 
     run = _WarmRun.open(ps, eng, policy, template, planned, run_id=run_id, log=log, started=started,
-                        tenant=tenant, cache_salt=cache_salt, force=force, progress=progress)
+                        tenant=tenant, cache_salt=cache_salt, force=force, progress=progress, pace=pace)
     run.report.phases["plan"] = time.monotonic() - started
 
     try:
@@ -294,9 +314,9 @@ def warm(
         with run.phase("prefill"):
             run.prefill(batch_tokens)
 
-        # 4. verify that the store holds every chunk (an fs tier's directory, else the MP server), then record
-        with run.phase("verify"):
-            run.verify(mode, verify_timeout_s)
+        # 4. verify that the store holds every chunk (an fs tier's directory, else the MP server), prefill again
+        # what it lacks, then record
+        run.check(mode, verify_timeout_s, retries, batch_tokens)
         with run.phase("record"):
             run.record()
     finally:
@@ -378,11 +398,14 @@ class _WarmRun:
     lookup: ServerLookup | None = None
     lookup_error: str | None = None
     triage_timeout_s: float = DEFAULT_VERIFY_TIMEOUT_S
+    #: the server's memory, read to pace the engine calls (``pace``) and to tell when its stores are done
+    room: ServerRoom | None = None
+    pace: bool = True
 
     @classmethod
     def open(cls, ps: PrefixShare, eng: WarmEngine, policy: Policy, template: Template, planned: list[_Planned],
              *, run_id: str, log: Any, started: float, tenant: str | None, cache_salt: str | None, force: bool,
-             progress: Callable[[WarmProgress], None] | None) -> _WarmRun:
+             progress: Callable[[WarmProgress], None] | None, pace: bool = True) -> _WarmRun:
         """Resolve the fingerprint, the store (registry, directory tiers, salt) and the admission rule; log the
         start."""
         fp = eng.fingerprint()
@@ -400,7 +423,8 @@ class _WarmRun:
         return cls(ps=ps, eng=eng, policy=policy, template=template, planned=planned, run_id=run_id, log=log,
                    started=started, tenant=tenant, cache_salt=cache_salt, force=force, progress=progress, fp=fp,
                    ns=ns, dirs=dirs, registry=registry, salt=salt, hasher=hasher, kv_per_token=kv_per_token,
-                   rule=rule, index=index, report=report)
+                   rule=rule, index=index, report=report,
+                   room=ServerRoom(policy.server.http_url, log=log), pace=pace)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -458,6 +482,9 @@ class _WarmRun:
     def close(self) -> None:
         if self.lookup is not None:
             self.lookup.close()
+        if self.room is not None:
+            self.report.paced_seconds = self.room.paced_s
+            self.room.close()
 
     def triage(self, timeout_s: float = DEFAULT_VERIFY_TIMEOUT_S) -> None:
         """Give every planned document its result (in the report) and collect those to prefill in ``todo``
@@ -540,66 +567,123 @@ class _WarmRun:
             self._prefill_batches(cached, batch_tokens, count=False)
 
     def _prefill_batches(self, items: list[_Planned], batch_tokens: int, *, count: bool) -> list[_Planned]:
-        """Prefill ``items``; returns those the engine computed no chunk of (every chunk a cache hit)."""
-        tenant, cache_salt = self.tenant, self.cache_salt
+        """Prefill ``items`` in engine calls of about ``batch_tokens`` tokens, each cut to what the server's
+        memory has room for (``pace``); returns those the engine computed no chunk of (every chunk a cache hit)."""
         hit: list[_Planned] = []
         for batch in _batches(items, batch_tokens):
-            t0 = time.monotonic()
-            engine_salt = cache_salt or (tenant_salt(tenant) if tenant else None)  # as Prompt.engine_input
-            requests = [PrefillRequest(i.ids, _params(i.doc.id, len(i.ids), tenant), engine_salt) for i in batch]
-            results = self.eng.prefill(requests)
-            seconds = time.monotonic() - t0
-            self.report.prefill_seconds += seconds
-            batch_tokens_n = sum(len(i.ids) for i in batch) or 1
-            for item, res in zip(batch, results, strict=True):
-                assert item.result is not None
-                item.result.cached_tokens = res.cached_tokens
-                share = round(seconds * len(item.ids) / batch_tokens_n, 4)
-                item.result.seconds = share if count else round((item.result.seconds or 0.0) + share, 4)
-                if res.cached_tokens >= len(item.hashes) * self.policy.chunk_size:
-                    hit.append(item)
-                if count:
-                    self.done["documents"] += 1
-                    self.done["tokens"] += len(item.ids)
-                    self.done["bytes"] += item.result.bytes
-            self.report_progress("prefill", batch[-1].doc.id)
+            while batch:
+                sizes = [i.result.bytes if i.result else 0 for i in batch]
+                room = self.room if self.pace else None
+                n = room.fit(sizes) if room is not None else len(batch)
+                hit += self._prefill_call(batch[:n], count=count)
+                if room is not None:
+                    room.sent(sum(sizes[:n]))
+                batch = batch[n:]
         return hit
 
-    def verify(self, mode: str, verify_timeout_s: float) -> None:
-        """Check that the store holds every chunk of ``todo`` (``mode``: "fs", "server" or "off"); mark the
-        missing ones failed, those that could not be checked unverified."""
+    def _prefill_call(self, batch: list[_Planned], *, count: bool) -> list[_Planned]:
+        """One engine call over ``batch``; returns those of it the engine computed no chunk of."""
+        tenant, cache_salt = self.tenant, self.cache_salt
+        hit: list[_Planned] = []
+        t0 = time.monotonic()
+        engine_salt = cache_salt or (tenant_salt(tenant) if tenant else None)  # as Prompt.engine_input
+        requests = [PrefillRequest(i.ids, _params(i.doc.id, len(i.ids), tenant), engine_salt) for i in batch]
+        results = self.eng.prefill(requests)
+        seconds = time.monotonic() - t0
+        self.report.prefill_seconds += seconds
+        batch_tokens_n = sum(len(i.ids) for i in batch) or 1
+        for item, res in zip(batch, results, strict=True):
+            assert item.result is not None
+            item.result.cached_tokens = res.cached_tokens
+            item.result.attempts += 1
+            share = round(seconds * len(item.ids) / batch_tokens_n, 4)
+            item.result.seconds = share if count else round((item.result.seconds or 0.0) + share, 4)
+            if res.cached_tokens >= len(item.hashes) * self.policy.chunk_size:
+                hit.append(item)
+            if count:
+                self.done["documents"] += 1
+                self.done["tokens"] += len(item.ids)
+                self.done["bytes"] += item.result.bytes
+        self.report_progress("prefill", batch[-1].doc.id)
+        return hit
+
+    def verify(self, mode: str, verify_timeout_s: float, items: list[_Planned] | None = None) -> None:
+        """Check that the store holds every chunk of ``items`` (default ``todo``; ``mode``: "fs", "server" or
+        "off"); mark the missing ones failed, those that could not be checked unverified."""
         self.report.verification = mode
-        if not self.todo:
+        items = self.todo if items is None else items
+        if not items:
             return
         if mode == VERIFY_OFF:
-            for item in self.todo:
+            for item in items:
                 assert item.result is not None
                 item.result.reason = "unverified: verification was turned off (verify=False)"
             return
         self.report_progress("verify")
         if mode == VERIFY_FS:
-            self._verify_fs(verify_timeout_s)
+            self._verify_fs(verify_timeout_s, items)
         else:
-            self._verify_on_server(verify_timeout_s)
+            self._verify_on_server(verify_timeout_s, items)
             if self.dirs:  # the registry records the objects the directory holds
                 self.index = NamespaceIndex.scan(self.dirs, self.ns)
-        results = [i.result for i in self.todo if i.result is not None]
+        results = [i.result for i in items if i.result is not None]
         self.log.info("warm.verified", by=mode, documents=len(results),
                       verified=sum(1 for r in results if r.verified is True),
                       missing=sum(1 for r in results if r.verified is False),
                       unverified=sum(1 for r in results if r.verified is None))
 
     def _missing_hint(self, item: _Planned) -> str:
-        hint = f"check the server log ({self.ps.server.log_path}) and ps.stats()"
+        hint = (f"the server drops a store it has no memory for (its log, {self.ps.server.log_path}, then says "
+                "'Failed to batched allocate'): raise the policy's l1.size_gb; else check that log and ps.stats()")
         cached = item.result.cached_tokens if item.result is not None else 0
         if cached >= self.policy.chunk_size and not self.force:
             hint = (f"the engine did not compute {cached} of its tokens (its prefix cache held them), and its "
                     f"connector stores only what it computes: warm it again with force=True; or {hint}")
         return hint
 
-    def _verify_fs(self, timeout_s: float) -> None:
-        self.index = index = _wait_for_chunks(self.dirs, self.ns, self.todo, self.salt, timeout_s)
-        for item in self.todo:
+    def check(self, mode: str, verify_timeout_s: float, retries: int, batch_tokens: int) -> None:
+        """Verify (phase "verify"), then prefill again what verification found incomplete (phase "retry")."""
+        with self.phase("verify"):
+            self.verify(mode, verify_timeout_s)
+        if mode != VERIFY_OFF and retries > 0 and self.incomplete():
+            with self.phase("retry"):
+                self.retry(mode, verify_timeout_s, retries, batch_tokens)
+        if self.pace and self.room is not None and self.report.warmed:
+            t0 = time.monotonic()
+            if self.room.settle():  # leave the server's memory room to load what was warmed
+                self.report.phases["settle"] = time.monotonic() - t0
+
+    def incomplete(self) -> list[_Planned]:
+        """The prefilled documents verification found chunks missing of."""
+        return [i for i in self.todo if i.result is not None and i.result.status == FAILED
+                and i.result.verified is False]
+
+    def retry(self, mode: str, verify_timeout_s: float, retries: int, batch_tokens: int) -> None:
+        """Prefill again, and verify again, the documents verification found incomplete, up to ``retries``
+        times. The engine's prefix cache is emptied first: it still holds them, and the engine's connector
+        stores only what the engine computes."""
+        for attempt in range(1, retries + 1):
+            items = self.incomplete()
+            if not items:
+                return
+            self.log.warning("warm.retry", attempt=attempt, documents=len(items),
+                             reasons=sorted({i.result.reason.split(";")[0] for i in items if i.result})[:3])
+            for item in items:
+                assert item.result is not None
+                item.result.status, item.result.verified, item.result.reason = WARMED, None, ""
+            self.eng.reset_prefix_cache()
+            self._prefill_batches(items, batch_tokens, count=False)
+            self.verify(mode, verify_timeout_s, items)
+
+    def _settled(self) -> bool:
+        """Whether the server reports no store in progress (False when it cannot say)."""
+        return bool(self.room is not None and self.room.settled())
+
+    def _verify_fs(self, timeout_s: float, items: list[_Planned]) -> None:
+        t0 = time.monotonic()
+        self.index = index = _wait_for_chunks(self.dirs, self.ns, items, self.salt, timeout_s, self._settled)
+        waited = time.monotonic() - t0
+        for item in items:
             assert item.result is not None
             item.result.verified_by = VERIFY_FS
             missing = index.missing(item.hashes, self.salt)
@@ -607,18 +691,20 @@ class _WarmRun:
                 item.result.status = FAILED
                 item.result.verified = False
                 item.result.reason = (f"{len(missing)} of {len(item.hashes)} chunks are not in the store after "
-                                      f"{timeout_s:g} s; {self._missing_hint(item)}")
+                                      f"{_waited(waited, timeout_s)}; {self._missing_hint(item)}")
             else:
                 item.result.verified = True
                 item.result.bytes = index.bytes_of(item.hashes, self.salt) or item.result.bytes
 
-    def _verify_on_server(self, timeout_s: float) -> None:
-        """Ask the MP server for every chunk of ``todo``, polling (the store lands after the prefill returns)
-        until it holds them all or ``timeout_s`` passes."""
-        deadline = time.monotonic() + timeout_s
+    def _verify_on_server(self, timeout_s: float, items: list[_Planned]) -> None:
+        """Ask the MP server for every chunk of ``items``, polling (the store lands after the prefill returns)
+        until it holds them all, or ``timeout_s`` passes, or nothing more lands and the server has no store in
+        progress."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         pending: list[_Planned] = []
         lookup = self.server_lookup(timeout_s)
-        for item in self.todo:
+        for item in items:
             assert item.result is not None
             if lookup is None:
                 self._unverified(item, self.lookup_error or "the server cannot answer")
@@ -632,6 +718,7 @@ class _WarmRun:
         delay = VERIFY_POLL_FIRST_S
         #: one question may finish past the deadline (the timeout bounds the wait for chunks, not an answer)
         per_question = min(max(timeout_s, 1.0), CALL_TIMEOUT_S)
+        stall = _Stall(self._settled)
         while pending:
             waiting: list[_Planned] = []
             for n, item in enumerate(pending):
@@ -652,10 +739,12 @@ class _WarmRun:
                     waiting.append(item)
             pending = waiting
             left = deadline - time.monotonic()
-            if not pending or left <= 0:
+            found = sum(answers[id(i)].found for i in pending) + len(items) - len(pending)
+            if not pending or left <= 0 or stall.over(found):
                 break
             time.sleep(min(delay, left))
             delay = min(delay * 1.5, VERIFY_POLL_MAX_S)
+        waited = time.monotonic() - t0
         for item in pending:
             assert item.result is not None
             held = answers[id(item)]
@@ -663,7 +752,7 @@ class _WarmRun:
             item.result.verified, item.result.verified_by = False, VERIFY_SERVER
             item.result.reason = (f"the server at {self.policy.server.http_url} holds {held.found} of the "
                                   f"{held.total} objects of its {held.chunks} chunks (in its memory or its tiers) "
-                                  f"after {timeout_s:g} s; {self._missing_hint(item)}")
+                                  f"after {_waited(waited, timeout_s)}; {self._missing_hint(item)}")
 
     def _unverified(self, item: _Planned, why: str) -> None:
         assert item.result is not None
@@ -738,8 +827,38 @@ VERIFY_POLL_MAX_S = 0.2
 VERIFY_SCAN_FRACTION = 0.1
 
 
-def _wait_for_chunks(dirs: list[Path], ns: str, items: list[_Planned], salt: str, timeout_s: float) -> NamespaceIndex:
-    """Scan the namespace until every chunk of ``items`` is there (the server writes L2 asynchronously).
+def _waited(seconds: float, timeout_s: float) -> str:
+    if seconds >= timeout_s:
+        return f"{timeout_s:g} s"
+    return f"{seconds:.1f} s (nothing landed for {STALL_S:g} s and the server had no store in progress)"
+
+
+#: verification stops waiting when no chunk has landed for this long and the server has no store in progress
+STALL_S = 2.0
+
+
+class _Stall:
+    """Tells verification when to stop waiting early: no progress for :data:`STALL_S` and ``settled()``."""
+
+    def __init__(self, settled: Callable[[], bool] | None) -> None:
+        self.settled = settled
+        self.best: int | None = None
+        self.since = time.monotonic()
+
+    def over(self, progress: int) -> bool:
+        """``progress``: any count that grows as chunks land."""
+        now = time.monotonic()
+        if self.best is None or progress > self.best:
+            self.best, self.since = progress, now
+            return False
+        return self.settled is not None and now - self.since >= STALL_S and self.settled()
+
+
+def _wait_for_chunks(dirs: list[Path], ns: str, items: list[_Planned], salt: str, timeout_s: float,
+                     settled: Callable[[], bool] | None = None) -> NamespaceIndex:
+    """Scan the namespace until every chunk of ``items`` is there (the server writes L2 asynchronously), or
+    ``timeout_s`` passes, or no chunk has landed for :data:`STALL_S` and ``settled()`` says the server has no
+    store in progress.
 
     The server's write lands 0.1-0.3 s after the prefill returns (bench model, 1k-4k tokens). Between two scans
     warm waits a tenth of the time it has waited so far (at least 5 ms, at most 200 ms), so it sees the last
@@ -749,15 +868,17 @@ def _wait_for_chunks(dirs: list[Path], ns: str, items: list[_Planned], salt: str
     chunk."""
     started = time.monotonic()
     deadline = started + timeout_s
+    stall = _Stall(settled)
     while True:
         scan_started = time.monotonic()
         index = NamespaceIndex.scan(dirs, ns)
         expected = index.expected_objects()
-        if all(not index.missing(i.hashes, salt, expected) for i in items):
+        missing = sum(len(index.missing(i.hashes, salt, expected)) for i in items)
+        if not missing:
             return index
         now = time.monotonic()
         left = deadline - now
-        if left <= 0:
+        if left <= 0 or stall.over(-missing):
             return index
         wait = min(max((now - started) * VERIFY_SCAN_FRACTION, VERIFY_POLL_FIRST_S), VERIFY_POLL_MAX_S)
         time.sleep(min(max(wait, 2 * (now - scan_started)), left))

@@ -1,0 +1,207 @@
+"""Backpressure for warm: how much room the MP server's memory (L1) has for the next batch's KV.
+
+Every store passes through the server's memory: the engine's KV lands in L1, and the server writes it to its L2
+tiers from there. LMCache's server drops a store it cannot reserve L1 memory for (the allocation fails; the
+server logs a warning, the engine hears nothing). Its L1 eviction runs once a second, only above its trigger
+watermark (0.8 by default), and only on chunks whose L2 write has finished. So a batch of documents whose KV is
+more than L1's free space at that moment is partly dropped, however fast the L2 tier is: 59 of 200 documents of a
+corpus were lost with a 0.25 GB L1 (400 MB of KV per 16k-token batch) before warm paced its batches.
+
+warm reads the server's ``/status`` before each engine call and sends only the documents whose KV fits the free
+space (:meth:`ServerRoom.fit`); when not even the first fits, it waits for the eviction (or the L2 writes that
+make chunks evictable), within a bound. An engine call returns before its stores reach the server, so the KV of
+the calls of the last :data:`TRANSIT_S` that the server's usage does not show yet is counted as taken.
+:meth:`ServerRoom.settled` tells verification that the server has no store in progress, so a chunk still
+missing will not land and can be prefilled again.
+
+The server's eviction bounds how fast anything can be stored once its memory is full: a share of it
+(``l1.eviction_ratio``, 0.2 by default) per second. A 1 GB L1 takes at most about 200 MB/s of new KV.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+#: free L1 kept aside (a share of its size) for other writers and the allocator's rounding
+MARGIN = 0.05
+#: how long warm waits for room before it sends the next document anyway (its store may then be dropped, and
+#: verification reports it)
+WAIT_TIMEOUT_S = 15.0
+#: polls of /status while waiting for room: the first after this many seconds, each 1.5x the last, at most POLL_MAX_S
+#: (LMCache evicts once a second)
+POLL_FIRST_S = 0.02
+POLL_MAX_S = 0.25
+STATUS_TIMEOUT_S = 2.0
+#: how long warm waits at its end for the server's memory to fall below its eviction watermark (it evicts once a
+#: second)
+SETTLE_TIMEOUT_S = 2.5
+#: how long after an engine call its KV counts as taken even where the server's usage does not show it yet
+TRANSIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Room:
+    """One reading of the server's memory (``/status``)."""
+
+    used: int
+    total: int
+    #: the usage share above which the server evicts (once a second)
+    watermark: float
+    #: chunks the server is still writing to its L2 tiers, or has yet to (not evictable until written)
+    pending: int
+    #: chunks being written into L1 (reserved, not yet admitted)
+    staging: int
+
+    @property
+    def free(self) -> int:
+        return max(int(self.total * (1.0 - MARGIN)) - self.used, 0)
+
+    @property
+    def evicting(self) -> bool:
+        """Whether the server's eviction will free memory at its next pass (usage at or over its watermark)."""
+        return self.used >= self.watermark * self.total
+
+    @property
+    def idle(self) -> bool:
+        """No store in progress: nothing staged in L1, nothing waiting for or in an L2 write."""
+        return self.pending == 0 and self.staging == 0
+
+
+def parse_room(status: dict[str, Any]) -> Room | None:
+    """The :class:`Room` ``/status`` describes; None when it lacks the fields (another LMCache version)."""
+    sm = status.get("storage_manager")
+    if not isinstance(sm, dict):
+        return None
+    usage = sm.get("l1_usage")
+    l1 = sm.get("l1_manager") if isinstance(sm.get("l1_manager"), dict) else {}
+    store = sm.get("store_controller") if isinstance(sm.get("store_controller"), dict) else {}
+    evict = sm.get("l1_eviction_controller") if isinstance(sm.get("l1_eviction_controller"), dict) else {}
+    if not (isinstance(usage, list) and len(usage) == 2 and all(isinstance(v, int) for v in usage) and usage[1] > 0):
+        return None
+    watermark = evict.get("trigger_watermark", 0.8)
+    return Room(used=usage[0], total=usage[1],
+                watermark=float(watermark) if isinstance(watermark, (int, float)) else 0.8,
+                pending=int(store.get("pending_keys_count") or 0) + int(store.get("in_flight_task_count") or 0),
+                staging=int(l1.get("staging_object_count") or 0))
+
+
+class ServerRoom:
+    """Reads one MP server's memory (``/status``) for warm's pacing; quiet and disabled once it cannot answer."""
+
+    def __init__(self, http_url: str, *, log: Any, transport: httpx.BaseTransport | None = None) -> None:
+        self.http_url = http_url.rstrip("/")
+        self.log = log
+        self.error: str | None = None
+        #: seconds warm spent pacing, in all: reading the server's memory and waiting for room
+        self.paced_s = 0.0
+        self._client = httpx.Client(timeout=STATUS_TIMEOUT_S, transport=transport)
+        #: engine calls not yet shown by the server's usage, maybe: (when the call returned, its KV bytes, the
+        #: usage read before it)
+        self._sent: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._last_used = 0
+
+    def sent(self, kv_bytes: int) -> None:
+        """An engine call of ``kv_bytes`` of KV has just returned (its stores are on their way)."""
+        self._sent.append((time.monotonic(), kv_bytes, self._last_used))
+
+    def _unseen(self, room: Room) -> int:
+        """KV of the engine calls of the last TRANSIT_S beyond what the server's usage grew by since."""
+        now = time.monotonic()
+        while self._sent and now - self._sent[0][0] > TRANSIT_S:
+            self._sent.popleft()
+        if not self._sent:
+            return 0
+        grown = max(room.used - self._sent[0][2], 0)  # an eviction meanwhile hides growth: counted as unseen
+        return max(sum(n for _, n, _ in self._sent) - grown, 0)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def read(self) -> Room | None:
+        """The server's memory now; None when it cannot say (the first failure is logged, later reads skipped)."""
+        if self.error is not None:
+            return None
+        try:
+            response = self._client.get(self.http_url + "/status")
+            room = parse_room(response.json()) if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        else:
+            if room is not None:
+                return room
+            self.error = f"/status answered HTTP {response.status_code} without the memory's usage"
+        self.log.warning("warm.pacing_off", url=self.http_url, reason=self.error,
+                         effect="batches are sent without waiting for the server's memory")
+        return None
+
+    def fit(self, sizes: list[int], timeout_s: float = WAIT_TIMEOUT_S) -> int:
+        """How many of the leading ``sizes`` (KV bytes of the next documents) to send now: as many as the
+        server's free memory holds, at least one. When not even the first fits and the server will free memory
+        (it is over its eviction watermark, or chunks wait for their L2 write), wait for it, up to
+        ``timeout_s``."""
+        if not sizes:
+            return 0
+        deadline = time.monotonic() + timeout_s
+        delay = POLL_FIRST_S
+        started = time.monotonic()
+        try:
+            while True:
+                room = self.read()
+                if room is None:
+                    return len(sizes)
+                self._last_used = room.used
+                unseen = self._unseen(room)
+                n = _leading(sizes, room.free - unseen)
+                if n:
+                    return n
+                left = deadline - time.monotonic()
+                if left <= 0 or not (room.evicting or room.pending or room.staging or unseen):
+                    # nothing will free memory (or not in time): send one document; verification tells
+                    if sizes[0] > room.total - room.used:
+                        self.log.warning("warm.no_room", kv_bytes=sizes[0], used=room.used, total=room.total,
+                                         waited_s=round(time.monotonic() - started, 2),
+                                         hint="raise the policy's l1.size_gb: a document's KV should be well "
+                                              f"under {1 - room.watermark:.0%} of it (the share the server frees)")
+                    return 1
+                time.sleep(min(delay, left))
+                delay = min(delay * 1.5, POLL_MAX_S)
+        finally:
+            self.paced_s += time.monotonic() - started
+
+    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+        """Wait, up to ``timeout_s``, until the server's memory is below its eviction watermark: over it, the
+        server has no room to load a chunk from L2 (a replica's lookup then misses) until its next eviction.
+        Returns whether it had to wait."""
+        started = time.monotonic()
+        delay = POLL_FIRST_S
+        waited = False
+        try:
+            while (room := self.read()) is not None and (room.evicting or self._unseen(room)):
+                left = started + timeout_s - time.monotonic()
+                if left <= 0:
+                    break
+                waited = True
+                time.sleep(min(delay, left))
+                delay = min(delay * 1.5, POLL_MAX_S)
+        finally:
+            self.paced_s += time.monotonic() - started
+        return waited
+
+    def settled(self) -> bool | None:
+        """Whether the server has no store in progress (None: it cannot say)."""
+        room = self.read()
+        return None if room is None else room.idle
+
+
+def _leading(sizes: list[int], free: int) -> int:
+    total = 0
+    for n, size in enumerate(sizes):
+        total += size
+        if total > free:
+            return n
+    return len(sizes)

@@ -1,0 +1,59 @@
+"""Test-only: a vLLM replica warms a corpus larger than the server's memory (L1), twice: first unpaced and without
+retries (the negative control: the server drops stores it has no memory for), then as warm does by default; then,
+its own prefix cache emptied, it asks one question about a few documents of the second corpus (loaded from the
+store). Prints one ``RESULT {json}`` line.
+
+Spec: {"model": DIR, "policy_file": PATH, "instance": STR, "control": {ID: TEXT}, "corpus": {ID: TEXT},
+       "batch_tokens": N, "ask": [ID...], "question": STR, "max_tokens": N}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: ~3 s engine start
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+
+    import vllm
+
+    from prefixshare import PrefixShare
+    from prefixshare.adapters.vllm import reset_vllm_prefix_cache
+    from prefixshare.warm import prompt_for, warm
+
+    engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
+              "block_size": 32, "max_model_len": 2048, "seed": 0}
+    ps = PrefixShare(spec["policy_file"], server=False, instance=spec["instance"])
+    llm = ps.attach(engine)
+    batch = int(spec["batch_tokens"])
+    control = warm(ps, spec["control"], llm, pace=False, retries=0, strict=False, batch_tokens=batch)
+    paced = warm(ps, spec["corpus"], llm, strict=False, batch_tokens=batch)
+    reset_vllm_prefix_cache(llm)
+    before = ps.stats()["tokens_loaded"]
+    answers = []
+    for doc_id in spec["ask"]:
+        prompt = prompt_for(ps, (doc_id, spec["corpus"][doc_id]), spec["question"])
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                                     extra_args={"kv_transfer_params": prompt.kv_transfer_params})
+        out = llm.generate([prompt.engine_input()], params, use_tqdm=False)[0]
+        answers.append({"doc": doc_id, "prompt": prompt.token_ids, "prefix_tokens": prompt.prefix_tokens,
+                        "cached": int(out.num_cached_tokens or 0), "token_ids": list(out.outputs[0].token_ids)})
+    result = {"control": control.to_dict(), "paced": paced.to_dict(), "answers": answers,
+              "tokens_loaded": ps.stats()["tokens_loaded"] - before}
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
