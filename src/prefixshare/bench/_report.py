@@ -591,7 +591,20 @@ def _md_corpus(c: dict[str, Any] | None) -> list[str]:
         f"{c['warmed']} warmed, {c['failed']} not, {c.get('verified')} verified in the store; "
         + (f"the store's write rate while prefilling (KV of the call's chunks found in the fs tier over time, as "
            f"warm's progress bar shows it): {store:.3f} GB/s." if store is not None else "no fs tier to watch."),
+        *_corpus_pacing(c),
     ]
+
+
+def _corpus_pacing(c: dict[str, Any]) -> list[str]:
+    """What warm spent on the server's memory in the corpus: pacing, documents prefilled again, its steps."""
+    if c.get("paced_s") is None:
+        return []
+    phases = c.get("phases") or {}
+    steps = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items())
+    return ["", f"warm() waited {c['paced_s']:.2f} s in all for room in the server's memory (it sends each engine "
+            "call only the documents whose KV the server's free memory holds: the server drops a store it cannot "
+            f"reserve memory for) and prefilled {c.get('retried') or 0} documents more than once (what "
+            f"verification found missing is prefilled again); its steps: {steps}."]
 
 
 def _md_lab(lab: dict[str, Any] | None) -> list[str]:

@@ -730,6 +730,8 @@ def _corpus(warmed: dict[str, Any] | None, raw: dict[str, Any] | None) -> dict[s
         "store_write_gbps_during_prefill": (last["stored_bytes"] / last["elapsed_s"] / 1e9
                                             if last and last["elapsed_s"] > 0 else None),
         "progress": warmed.get("progress", []), "verified": totals.get("verified"),
+        "retried": totals.get("retried"), "paced_s": warmed["report"].get("paced_seconds"),
+        "phases": warmed["report"].get("phases"),
     }
 
 
