@@ -19,7 +19,8 @@ KV layouts differ, so each engine's KV lives under its own fingerprint.
 
 Layout: :mod:`._documents` (what to warm), :mod:`._template` (where documents sit in prompts),
 :mod:`._chunks` (which chunk files a directory tier holds; the keys themselves are :mod:`prefixshare.keys`'),
-:mod:`._lookup` (which chunks the node's MP server holds, on any tier),
+:mod:`._lookup` (which chunks the node's MP server holds, on any tier), :mod:`._room` (how much of the server's
+memory is free: warm paces its engine calls to it),
 :mod:`._registry` (which documents are warm), :mod:`._engines` (which engine adapter's
 :class:`~prefixshare.adapters.WarmEngine` to use), :mod:`._warm` (warm and prompt_for).
 """
