@@ -492,6 +492,31 @@ def test_room_reads_status_and_turns_pacing_off_when_the_server_cannot_say() -> 
     room.close()
 
 
+@pytest.mark.parametrize(("used", "pending", "waits"), [(78, 0, False), (78, 5, False), (90, 5, True)])
+def test_room_waits_only_when_the_server_will_free_memory(used: int, pending: int, waits: bool) -> None:
+    """A document that does not fit: below the eviction watermark nothing will be evicted (chunks waiting for
+    their L2 write or not), so it is sent at once; over it, warm waits for the eviction, up to its bound."""
+    import time
+
+    import httpx
+
+    from prefixshare._log import get_logger
+    from prefixshare.warm._room import ServerRoom
+
+    def status(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"storage_manager": {
+            "l1_usage": [used, 100], "l1_manager": {"staging_object_count": 0},
+            "store_controller": {"pending_keys_count": pending, "in_flight_task_count": 0},
+            "l1_eviction_controller": {"trigger_watermark": 0.8}}})
+
+    room = ServerRoom("http://server", log=get_logger("test"), transport=httpx.MockTransport(status))
+    t0 = time.monotonic()
+    assert room.fit([20, 1], timeout_s=0.5) == 1
+    assert (time.monotonic() - t0 >= 0.5) is waits
+    assert room.fit([10, 6, 1, 1], timeout_s=0.5) == (3 if used == 78 else 1)  # free: 95 % less the usage
+    room.close()
+
+
 def test_warm_paces_its_engine_calls_to_the_servers_memory(l1_setup: Any, tokenizer: Any) -> None:
     """The whole corpus in one engine call would overflow the server's memory (16 MiB into 10): warm sends only
     what the memory has room for, waits for its eviction when none is left, and loses no document. The negative

@@ -142,8 +142,9 @@ class ServerRoom:
     def fit(self, sizes: list[int], timeout_s: float = WAIT_TIMEOUT_S) -> int:
         """How many of the leading ``sizes`` (KV bytes of the next documents) to send now: as many as the
         server's free memory holds, at least one. When not even the first fits and the server will free memory
-        (it is over its eviction watermark, or chunks wait for their L2 write), wait for it, up to
-        ``timeout_s``."""
+        (it is over its eviction watermark, or stores on their way may take it there), wait for it, up to
+        ``timeout_s``: a slow L2 tier holds its chunks unevictable until written, so this is also where warm
+        waits for the store."""
         if not sizes:
             return 0
         deadline = time.monotonic() + timeout_s
@@ -160,7 +161,9 @@ class ServerRoom:
                 if n:
                     return n
                 left = deadline - time.monotonic()
-                if left <= 0 or not (room.evicting or room.pending or room.staging or unseen):
+                # memory frees only by eviction, over the watermark (of chunks whose L2 write is done): wait for
+                # it, or for stores on their way that may take usage over the watermark
+                if left <= 0 or not (room.evicting or room.staging or unseen):
                     # nothing will free memory (or not in time): send one document; verification tells
                     if sizes[0] > room.total - room.used:
                         self.log.warning("warm.no_room", kv_bytes=sizes[0], used=room.used, total=room.total,
