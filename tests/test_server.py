@@ -55,6 +55,21 @@ def test_start_health_and_status(server_a: LMCacheServer, store: Path) -> None:
     assert store.is_dir() and (store.stat().st_mode & 0o777) == 0o750  # created by the policy's tier
 
 
+def test_the_servers_threads_carry_their_python_names(server_a: LMCacheServer) -> None:
+    """The server names its kernel threads after its Python threads (what wakes in it can be told from
+    outside); the replica-side reading names them the same way."""
+    from prefixshare.bench._replica import thread_counters
+
+    threads = thread_counters(server_a.pid)
+    names = {row["name"] for row in threads.values()}
+    assert len(threads) > 5 and any(n.startswith("Thread-") or "Periodic" in n or "lmcache" in n.lower()
+                                    for n in names), names
+    assert sum(1 for n in names if n == "python") < len(threads) // 2, names  # most are named, not "python"
+    here = thread_counters()
+    assert {row["name"] for row in here.values()} >= {"MainThread"}
+    assert all(row["cpu_s"] >= 0 and row["voluntary"] >= 0 for row in here.values())
+
+
 def test_round_trip_through_the_server_from_fresh_processes(server_a: LMCacheServer, store: Path) -> None:
     stored = run_mp_client("store", server_a.url)
     assert stored.returncode == 0 and "STORE ok = True" in stored.stdout, stored.stderr[-2000:]

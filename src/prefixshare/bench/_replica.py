@@ -25,6 +25,8 @@ Steps (each may carry a ``tag`` that is copied into its result):
   "recompute_tags": [...], "chunks": K}`` sets the delay per chunk so that a load is predicted to take ``F`` x the
   median of the ``recompute_tags`` steps, the ``load_tags`` steps being the unthrottled loads (never under 0).
 * ``{"op": "sleep", "seconds": S}`` — wait (e.g. for the store's health check to pass again).
+* ``{"op": "threads"}`` — this process's threads now (:func:`thread_counters`): for each, its Python name (or the
+  kernel's, for threads Python did not start: OpenMP's, gloo's), CPU seconds and context switches so far.
 * ``{"op": "clear_l1", "url": "http://HOST:HTTP_PORT"}`` — empty the MP server's L1 (``POST /cache/clear``), so
   that the next load reads the store's medium (L2) again, not the server's memory.
 
@@ -51,6 +53,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from prefixshare._env import VLLM_QUIET
@@ -214,8 +217,31 @@ def _throttle(step: dict[str, Any], done: list[dict[str, Any]]) -> dict[str, Any
     return out
 
 
+def thread_counters(pid: int | None = None) -> dict[str, dict[str, Any]]:
+    """Every thread of this process (``/proc/self/task``) by kernel thread id: ``name`` (the Python thread's name
+    where Python started it, else the kernel's ``comm``), ``cpu_s`` (user + system), ``voluntary`` and
+    ``involuntary`` context switches since it started. Two readings around a request say which threads ran, and
+    which were preempted, during it."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, Any]] = {}
+    for task in Path(f"/proc/{pid or os.getpid()}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[task.name] = {"name": names.get(int(task.name), comm), "cpu_s": (int(fields[11]) + int(fields[12])) / tick,
+                          "voluntary": int(status["voluntary_ctxt_switches"]),
+                          "involuntary": int(status["nonvoluntary_ctxt_switches"])}
+    return out
+
+
 def _other_step(step: dict[str, Any]) -> dict[str, Any]:
-    """``fadvise``, ``sleep`` and ``clear_l1``."""
+    """``fadvise``, ``sleep``, ``threads`` and ``clear_l1``."""
     out: dict[str, Any] = {}
     if step["op"] == "fadvise":
         t0 = time.perf_counter()
@@ -223,6 +249,8 @@ def _other_step(step: dict[str, Any]) -> dict[str, Any]:
         out["seconds"] = time.perf_counter() - t0
     elif step["op"] == "sleep":
         time.sleep(float(step["seconds"]))
+    elif step["op"] == "threads":
+        out["threads"] = thread_counters()
     elif step["op"] == "clear_l1":
         import httpx
 
