@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "command": " ".join(["python", "benchmarks/threads.py", *(sys.argv[1:] if argv is None else argv)]),
         "runs": args.runs, "idle_s": args.idle,
-        "server_idle_per_s": {name: {k: round(v / args.idle, 3) for k, v in row.items()} for name, row in
-                              sorted(idle.items(), key=lambda kv: -kv[1]["voluntary"])},
+        "server_idle_per_s": {name: {k: v if k == "threads" else round(v / args.idle, 3) for k, v in row.items()}
+                              for name, row in sorted(idle.items(), key=lambda kv: -kv[1]["voluntary"])},
         "lengths": {},
     }
     for n, by in rows.items():

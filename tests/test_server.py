@@ -55,9 +55,10 @@ def test_start_health_and_status(server_a: LMCacheServer, store: Path) -> None:
     assert store.is_dir() and (store.stat().st_mode & 0o777) == 0o750  # created by the policy's tier
 
 
-def test_the_servers_threads_carry_their_python_names(server_a: LMCacheServer) -> None:
+def test_the_servers_threads_carry_their_python_names_and_idle_quietly(server_a: LMCacheServer) -> None:
     """The server names its kernel threads after its Python threads (what wakes in it can be told from
-    outside); the replica-side reading names them the same way."""
+    outside; the replica-side reading names them the same way), and on a host with no GPU its GPU completion
+    dispatcher does not wake 200 times a second."""
     from prefixshare.bench._replica import thread_counters
 
     threads = thread_counters(server_a.pid)
@@ -65,6 +66,16 @@ def test_the_servers_threads_carry_their_python_names(server_a: LMCacheServer) -
     assert len(threads) > 5 and any(n.startswith("Thread-") or "Periodic" in n or "lmcache" in n.lower()
                                     for n in names), names
     assert sum(1 for n in names if n == "python") < len(threads) // 2, names  # most are named, not "python"
+    # the GPU completion dispatcher polls once a second on this GPU-less host, not every 5 ms (200 wakeups/s)
+    import time
+
+    before = thread_counters(server_a.pid)
+    time.sleep(2.0)
+    after = thread_counters(server_a.pid)
+    dispatcher = [tid for tid, row in after.items() if row["name"].startswith("DeviceHostFunc")]
+    assert len(dispatcher) == 1, names
+    woke = after[dispatcher[0]]["voluntary"] - before[dispatcher[0]]["voluntary"]
+    assert woke <= 6, woke  # 2 s at 1 s intervals (LMCache's own 5 ms: ~400)
     here = thread_counters()
     assert {row["name"] for row in here.values()} >= {"MainThread"}
     assert all(row["cpu_s"] >= 0 and row["voluntary"] >= 0 for row in here.values())
