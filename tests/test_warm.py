@@ -378,9 +378,10 @@ def test_missing_chunks_fail_verification(setup: Any) -> None:
         warm(ps, {"guide": _docs()["guide"]}, eng, verify_timeout_s=0.3)
     result = info.value.report.documents[0]  # type: ignore[union-attr]
     assert result.status == "failed" and result.verified is False and "chunks are not in the store" in result.reason
-    # prefilled again twice (retries=2), the engine's prefix cache emptied before each
-    assert result.attempts == 3 and len(eng.calls) == 3 and eng.resets == 2
-    assert info.value.report.totals()["retried"] == 1  # type: ignore[union-attr]
+    # not prefilled again: no server answers what it holds (a retry would wait out the timeout again for
+    # stores that cannot land); test_documents_the_server_dropped_are_prefilled_again has one that answers
+    assert result.attempts == 1 and len(eng.calls) == 1 and eng.resets == 0
+    assert info.value.report.totals()["retried"] == 0  # type: ignore[union-attr]
 
 
 MIB = 4096 * CHUNK * 4  # the fake engine's KV of a 256-token document (4 chunks)

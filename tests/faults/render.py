@@ -143,9 +143,9 @@ Faults we could not make safe, or bounds we could only measure:
   4 blocks" in the server log) and never reached L2, although nothing failed for the engine. Size L1 for
   several of the largest prefixes (`prefixshare plan` does). A burst of stores larger than L1's free space is
   dropped the same way, and a load finds no room while L1 is over its watermark (the lookup misses, the engine
-  recomputes). `warm` paces its engine calls to the server's free memory, prefills again what verification
-  still finds missing, and waits at its end for L1 to fall below the watermark: a corpus 3x a 16 MiB L1 lost
-  32 of 48 documents unpaced and none paced (`test_a_corpus_larger_than_the_servers_memory_is_warmed_whole`).
+  recomputes). `warm` paces its engine calls to the server's free memory and prefills again what verification
+  still finds missing: a corpus 3x a 16 MiB L1 lost 32 of 48 documents unpaced and none paced
+  (`test_a_corpus_larger_than_the_servers_memory_is_warmed_whole`).
   Serving replicas are not paced: once L1 is full, the server takes new KV only as fast as it evicts
   (`l1.eviction_ratio` of L1 per second).
 * **Store writes that fail are silent to the engine.** When the fs tier is gone or full, LMCache logs the

@@ -1,7 +1,8 @@
 """Test-only: a vLLM replica warms a corpus larger than the server's memory (L1), twice: first unpaced and without
 retries (the negative control: the server drops stores it has no memory for), then as warm does by default; then,
-its own prefix cache emptied, it asks one question about a few documents of the second corpus (loaded from the
-store). Prints one ``RESULT {json}`` line.
+its own prefix cache emptied and the server's memory back under its eviction watermark (a load needs room there
+too: over the watermark LMCache's lookup misses until its next eviction, up to a second), it asks one question
+about a few documents of the second corpus (loaded from the store). Prints one ``RESULT {json}`` line.
 
 Spec: {"model": DIR, "policy_file": PATH, "instance": STR, "control": {ID: TEXT}, "corpus": {ID: TEXT},
        "batch_tokens": N, "ask": [ID...], "question": STR, "max_tokens": N}
@@ -39,6 +40,7 @@ def main() -> None:
     control = warm(ps, spec["control"], llm, pace=False, retries=0, strict=False, batch_tokens=batch)
     paced = warm(ps, spec["corpus"], llm, strict=False, batch_tokens=batch)
     reset_vllm_prefix_cache(llm)
+    waited = _until_under_watermark(ps.policy.server.http_url)
     before = ps.stats()["tokens_loaded"]
     answers = []
     for doc_id in spec["ask"]:
@@ -48,11 +50,28 @@ def main() -> None:
         out = llm.generate([prompt.engine_input()], params, use_tqdm=False)[0]
         answers.append({"doc": doc_id, "prompt": prompt.token_ids, "prefix_tokens": prompt.prefix_tokens,
                         "cached": int(out.num_cached_tokens or 0), "token_ids": list(out.outputs[0].token_ids)})
-    result = {"control": control.to_dict(), "paced": paced.to_dict(), "answers": answers,
+    result = {"control": control.to_dict(), "paced": paced.to_dict(), "answers": answers, "waited_s": waited,
               "tokens_loaded": ps.stats()["tokens_loaded"] - before}
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
     os._exit(0)
+
+
+def _until_under_watermark(url: str, timeout_s: float = 5.0) -> float:
+    """Wait until the server's memory is under its eviction watermark; returns the seconds waited."""
+    import time
+
+    import httpx
+
+    from prefixshare.warm._room import parse_room
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        room = parse_room(httpx.get(url + "/status", timeout=5).json())
+        if room is None or not room.evicting:
+            break
+        time.sleep(0.05)
+    return time.monotonic() - t0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ space (:meth:`ServerRoom.fit`); when not even the first fits, it waits for the e
 make chunks evictable), within a bound. An engine call returns before its stores reach the server, so the KV of
 the calls of the last :data:`TRANSIT_S` that the server's usage does not show yet is counted as taken.
 :meth:`ServerRoom.settled` tells verification that the server has no store in progress, so a chunk still
-missing will not land and can be prefilled again.
+missing will not land and can be prefilled again. A load needs room in L1 too: right after a burst of stores has
+taken L1 over its watermark, a replica's lookup misses until the next eviction (up to a second) and recomputes.
 
 The server's eviction bounds how fast anything can be stored once its memory is full: a share of it
 (``l1.eviction_ratio``, 0.2 by default) per second. A 1 GB L1 takes at most about 200 MB/s of new KV.
@@ -37,9 +38,6 @@ WAIT_TIMEOUT_S = 15.0
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.25
 STATUS_TIMEOUT_S = 2.0
-#: how long warm waits at its end for the server's memory to fall below its eviction watermark (it evicts once a
-#: second)
-SETTLE_TIMEOUT_S = 2.5
 #: how long after an engine call its KV counts as taken even where the server's usage does not show it yet
 TRANSIT_S = 1.0
 
@@ -181,25 +179,6 @@ class ServerRoom:
                 delay = min(delay * 1.5, POLL_MAX_S)
         finally:
             self.paced_s += time.monotonic() - started
-
-    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
-        """Wait, up to ``timeout_s``, until the server's memory is below its eviction watermark: over it, the
-        server has no room to load a chunk from L2 (a replica's lookup then misses) until its next eviction.
-        Returns whether it had to wait."""
-        started = time.monotonic()
-        delay = POLL_FIRST_S
-        waited = False
-        try:
-            while (room := self.read()) is not None and (room.evicting or self._unseen(room)):
-                left = started + timeout_s - time.monotonic()
-                if left <= 0:
-                    break
-                waited = True
-                time.sleep(min(delay, left))
-                delay = min(delay * 1.5, POLL_MAX_S)
-        finally:
-            self.paced_s += time.monotonic() - started
-        return waited
 
     def settled(self) -> bool | None:
         """Whether the server has no store in progress (None: it cannot say)."""

@@ -119,13 +119,11 @@ class WarmReport:
     #: wall seconds of each step of the call, in order: "plan" (tokenizing, the fingerprint, the store's
     #: directory scan), "triage" (what the store already holds, admission), "prefill" (the engine's batches and
     #: the copies of their KV into the server), "verify" (until the store holds every chunk), "record" (the
-    #: registry); "retry" (prefilling and verifying again the documents verification found incomplete) and
-    #: "settle" (waiting for the server's memory to fall below its eviction watermark, so that loads right after
-    #: warm find room) come between "verify" and "record" when warm needed them. What a slow warm spends its
-    #: time on, without a profiler.
+    #: registry); "retry" (prefilling and verifying again the documents verification found incomplete) comes
+    #: between "verify" and "record" when there were any. What a slow warm spends its time on, without a profiler.
     phases: dict[str, float] = field(default_factory=dict)
-    #: seconds spent pacing: reading the server's memory before each engine call, waiting for room in it (both
-    #: within "prefill" and "retry"), and the "settle" step (see :mod:`prefixshare.warm._room`)
+    #: seconds spent pacing: reading the server's memory before each engine call and waiting for room in it
+    #: (within "prefill" and "retry"; see :mod:`prefixshare.warm._room`)
     paced_seconds: float = 0.0
 
     def _with(self, *statuses: str) -> list[DocumentResult]:
@@ -645,13 +643,11 @@ class _WarmRun:
         """Verify (phase "verify"), then prefill again what verification found incomplete (phase "retry")."""
         with self.phase("verify"):
             self.verify(mode, verify_timeout_s)
-        if mode != VERIFY_OFF and retries > 0 and self.incomplete():
+        # a retry needs a server that says what it holds in memory: one that does not (gone, or not LMCache's
+        # MP server) would make each round wait out the whole verify timeout for stores that cannot land
+        if mode != VERIFY_OFF and retries > 0 and self.incomplete() and self._settled() is not None:
             with self.phase("retry"):
                 self.retry(mode, verify_timeout_s, retries, batch_tokens)
-        if self.pace and self.room is not None and self.report.warmed:
-            t0 = time.monotonic()
-            if self.room.settle():  # leave the server's memory room to load what was warmed
-                self.report.phases["settle"] = time.monotonic() - t0
 
     def incomplete(self) -> list[_Planned]:
         """The prefilled documents verification found chunks missing of."""
@@ -675,9 +671,9 @@ class _WarmRun:
             self._prefill_batches(items, batch_tokens, count=False)
             self.verify(mode, verify_timeout_s, items)
 
-    def _settled(self) -> bool:
-        """Whether the server reports no store in progress (False when it cannot say)."""
-        return bool(self.room is not None and self.room.settled())
+    def _settled(self) -> bool | None:
+        """Whether the server reports no store in progress (None when it cannot say)."""
+        return self.room.settled() if self.room is not None else None
 
     def _verify_fs(self, timeout_s: float, items: list[_Planned]) -> None:
         t0 = time.monotonic()
@@ -840,7 +836,7 @@ STALL_S = 2.0
 class _Stall:
     """Tells verification when to stop waiting early: no progress for :data:`STALL_S` and ``settled()``."""
 
-    def __init__(self, settled: Callable[[], bool] | None) -> None:
+    def __init__(self, settled: Callable[[], bool | None] | None) -> None:
         self.settled = settled
         self.best: int | None = None
         self.since = time.monotonic()
@@ -851,11 +847,11 @@ class _Stall:
         if self.best is None or progress > self.best:
             self.best, self.since = progress, now
             return False
-        return self.settled is not None and now - self.since >= STALL_S and self.settled()
+        return self.settled is not None and now - self.since >= STALL_S and self.settled() is True
 
 
 def _wait_for_chunks(dirs: list[Path], ns: str, items: list[_Planned], salt: str, timeout_s: float,
-                     settled: Callable[[], bool] | None = None) -> NamespaceIndex:
+                     settled: Callable[[], bool | None] | None = None) -> NamespaceIndex:
     """Scan the namespace until every chunk of ``items`` is there (the server writes L2 asynchronously), or
     ``timeout_s`` passes, or no chunk has landed for :data:`STALL_S` and ``settled()`` says the server has no
     store in progress.
