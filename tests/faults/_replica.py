@@ -28,12 +28,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from _probes import settle_probes  # noqa: E402
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: ~3 s engine start
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _engine_env import set_engine_env  # noqa: E402
+
+set_engine_env()
 
 PAUSE_LIMIT_S = 300.0
 

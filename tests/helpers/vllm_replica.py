@@ -19,12 +19,9 @@ import time
 
 from _probes import settle_probes  # tests/helpers: this script's directory
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: ~3 s engine start
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _engine_env import set_engine_env  # tests/helpers: this script's directory
+
+set_engine_env()
 
 
 def main() -> None:
