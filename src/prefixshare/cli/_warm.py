@@ -162,7 +162,8 @@ def register(app: typer.Typer) -> None:
         report = _run(loaded, str(policy), str(Path(model).expanduser().resolve()), docs, tpl, engine=engine,
                       force=force,
                       tenant=tenant, split=split, batch_tokens=batch_tokens, verify_timeout=verify_timeout,
-                      retries=retries, engine_kwargs={"dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
+                      retries=retries,
+                      engine_kwargs={"dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
                                      "extra": _engine_args(engine_arg)},
                       quiet_stdout=json, show_progress=not json)
         if json:

@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from prefixshare.warm._lookup import http_client
+
 #: free L1 kept aside (a share of its size) for other writers and the allocator's rounding
 MARGIN = 0.05
 #: how long warm waits for room before it sends the next document anyway (its store may then be dropped, and
@@ -68,12 +70,6 @@ class Room:
     def idle(self) -> bool:
         """No store in progress: nothing staged in L1, nothing waiting for or in an L2 write."""
         return self.pending == 0 and self.staging == 0
-
-
-def http_client(url: str, timeout_s: float, transport: httpx.BaseTransport | None = None) -> httpx.Client:
-    """A client for the server's HTTP port. A plain ``http://`` URL gets no TLS context: building one (the CA
-    bundle) costs 25-40 ms, on every warm() call."""
-    return httpx.Client(timeout=timeout_s, transport=transport, verify=not url.startswith("http://"))
 
 
 def parse_room(status: dict[str, Any]) -> Room | None:

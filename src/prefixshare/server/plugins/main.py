@@ -9,8 +9,10 @@ Every Python thread of the server carries its Python name as its kernel name too
 
 On a host without a GPU the server's ``DeviceHostFuncDispatcher`` drains GPU host-callback completions once a
 second instead of every 5 ms (:func:`quiet_device_dispatcher`): there are none to drain, and its 200 wakeups a
-second were most of an idle server's (197 of about 240) and half its CPU (12 of about 25 ms per second), taken
-from the engines' cores beside it (``benchmarks/threads.py``, run ``20261207T055457Z``).
+second were most of an idle server's (197 of about 250) and nearly half its CPU (12 of 27 ms per second), taken
+from the engines' cores beside it (``benchmarks/threads.py``: run ``20261207T055709Z-638016`` before, not
+committed; ``20261207T060105Z-a7c226`` after, ``docs/benchmarks/threads.json``: about 48 wakeups and 12 ms a
+second).
 """
 
 from __future__ import annotations
