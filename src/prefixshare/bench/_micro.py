@@ -104,34 +104,50 @@ def _read(path: Path, buf: bytearray) -> float:
 def raw_io(directory: Path, size: int, reps: int) -> dict[str, Any]:
     """Sequential write (page cache, as LMCache's fs adapter writes: no fsync) and read of one ``size``-byte
     file in ``directory`` (the store's medium); reads with the page cache warm and evicted (fadvise)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f".bench-raw-{os.getpid()}"
-    data = os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1)
-    data = memoryview(data)[:size]
-    buf = bytearray(size)
-    writes, writes_sync, warm, cold = [], [], [], []
+    raw = _RawIO(directory, size)
     try:
-        for _ in range(reps):
-            path.unlink(missing_ok=True)
-            t0 = time.perf_counter()
-            with open(path, "wb", buffering=0) as f:
-                f.write(data)
-            writes.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            _sync(path)
-            writes_sync.append(writes[-1] + time.perf_counter() - t0)
-            _read(path, buf)  # make sure it is all in the page cache
-            warm.append(_read(path, buf))
-            evict(path)
-            cold.append(_read(path, buf))
+        return raw.summary([raw.round() for _ in range(reps)])
     finally:
+        raw.close()
+
+
+class _RawIO:
+    """One repetition of :func:`raw_io` at a time (so that :func:`store_io` can interleave it with the
+    adapters')."""
+
+    def __init__(self, directory: Path, size: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.size = size
+        self.path = directory / f".bench-raw-{os.getpid()}"
+        data = os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1)
+        self.data = memoryview(data)[:size]
+        self.buf = bytearray(size)
+
+    def round(self) -> tuple[float, float, float, float]:
+        """(write, write then fsync, warm read, evicted read) seconds."""
+        path, buf = self.path, self.buf
         path.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            f.write(self.data)
+        write = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _sync(path)
+        write_sync = write + time.perf_counter() - t0
+        _read(path, buf)  # make sure it is all in the page cache
+        warm = _read(path, buf)
+        evict(path)
+        return write, write_sync, warm, _read(path, buf)
 
-    def gbps(times: list[float]) -> dict[str, float]:
-        return summary([size / t / 1e9 for t in times])
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
 
-    return {"bytes": size, "write_gbps": gbps(writes), "write_fsync_gbps": gbps(writes_sync),
-            "read_warm_gbps": gbps(warm), "read_evicted_gbps": gbps(cold)}
+    def summary(self, rounds: list[tuple[float, float, float, float]]) -> dict[str, Any]:
+        def gbps(i: int) -> dict[str, Any]:
+            return summary([self.size / r[i] / 1e9 for r in rounds])
+
+        return {"bytes": self.size, "write_gbps": gbps(0), "write_fsync_gbps": gbps(1), "read_warm_gbps": gbps(2),
+                "read_evicted_gbps": gbps(3)}
 
 
 class _Obj:
@@ -273,22 +289,58 @@ def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int, *, check
     directory.mkdir(parents=True, exist_ok=True)
     adapter = fs_adapter(kind or ("checked" if checked else "plain"), directory)
     payload = os.urandom(chunk_bytes)
-    writes, warm, cold = [], [], []
     try:
-        for _ in range(reps):
-            w, r, c = fs_l2_round(adapter, directory, chunk_bytes, chunks, payload)
-            writes.append(w)
-            warm.append(r)
-            cold.append(c)
+        rounds = [fs_l2_round(adapter, directory, chunk_bytes, chunks, payload) for _ in range(reps)]
     finally:
         adapter.close()
+    return _fs_summary(rounds, chunk_bytes, chunks)
+
+
+def _fs_summary(rounds: list[tuple[float, float, float]], chunk_bytes: int, chunks: int) -> dict[str, Any]:
     size = chunk_bytes * chunks
 
-    def gbps(times: list[float]) -> dict[str, float]:
-        return summary([size / t / 1e9 for t in times])
+    def gbps(i: int) -> dict[str, Any]:
+        return summary([size / r[i] / 1e9 for r in rounds])
 
-    return {"bytes": size, "chunks": chunks, "chunk_bytes": chunk_bytes, "write_gbps": gbps(writes),
-            "read_warm_gbps": gbps(warm), "read_evicted_gbps": gbps(cold)}
+    return {"bytes": size, "chunks": chunks, "chunk_bytes": chunk_bytes, "write_gbps": gbps(0),
+            "read_warm_gbps": gbps(1), "read_evicted_gbps": gbps(2)}
+
+
+#: where :func:`store_io` puts each measure's files under its work directory, and its key in the results
+STORE_IO_DIRS = {"raw": "io", "checked": "io-l2", "plain": "io-l2-plain", "native": "io-l2-native"}
+STORE_IO_KEYS = {"raw": "raw", "checked": "fs_l2", "plain": "fs_l2_plain", "native": "fs_l2_native"}
+
+
+def store_io(work: Path, size: int, chunk_bytes: int, reps: int, kinds: tuple[str, ...] = FS_ADAPTERS,
+             threads: int = 4) -> dict[str, dict[str, Any]]:
+    """P3's measures in one loop: a round of raw I/O (:func:`raw_io`) and of each fs adapter of ``kinds``
+    (:func:`fs_l2_round`) per repetition, in an order that rotates, so that a medium whose speed drifts over minutes (a shared virtual disk: 1.4 and 1.9 GB/s for the same evicted read
+    minutes apart here) moves every ratio's two sides alike. Keys: :data:`STORE_IO_KEYS`' values."""
+    chunks = size // chunk_bytes
+    payload = os.urandom(chunk_bytes)
+    raw = _RawIO(work / STORE_IO_DIRS["raw"], size)
+    adapters: dict[str, tuple[Any, Path]] = {}
+    rounds: dict[str, list[Any]] = {"raw": []}
+    try:
+        for kind in kinds:
+            d = work / STORE_IO_DIRS[kind]
+            d.mkdir(parents=True, exist_ok=True)
+            adapters[kind] = (fs_adapter(kind, d, threads), d)
+            rounds[kind] = []
+        order = list(rounds)
+        for rep in range(reps):
+            for k in order[rep % len(order):] + order[:rep % len(order)]:
+                if k == "raw":
+                    rounds[k].append(raw.round())
+                else:
+                    adapter, d = adapters[k]
+                    rounds[k].append(fs_l2_round(adapter, d, chunk_bytes, chunks, payload))
+    finally:
+        raw.close()
+        for adapter, _ in adapters.values():
+            adapter.close()
+    return {STORE_IO_KEYS[k]: raw.summary(r) if k == "raw" else _fs_summary(r, chunk_bytes, chunks)
+            for k, r in rounds.items()}
 
 
 def copy_path(size: int, chunk_bytes: int, reps: int, digest: str = "xxh3") -> dict[str, Any]:

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixshare.bench._connectors import connector_rows, run_connector_pairs
-from prefixshare.bench._micro import copy_path, fs_l2_io, machine, raw_io, runtime_overhead, summary
+from prefixshare.bench._micro import copy_path, machine, runtime_overhead, store_io, summary
 from prefixshare.bench._procs import run_replica, throttled_store_spec
 from prefixshare.errors import PrefixShareError
 from prefixshare.keys import REQ_LOAD, REQ_STORE
@@ -299,12 +299,7 @@ class Bench:
             digest = DEFAULT_ALGORITHM
         for n in s.lengths:
             size = n * kvb
-            io[str(n)] = {"raw": raw_io(self.work / "io", size, s.runs),
-                          "fs_l2": fs_l2_io(self.work / "io-l2", chunk_bytes, n // s.chunk_size, s.runs),
-                          "fs_l2_plain": fs_l2_io(self.work / "io-l2-plain", chunk_bytes, n // s.chunk_size, s.runs,
-                                                  kind="plain"),
-                          "fs_l2_native": fs_l2_io(self.work / "io-l2-native", chunk_bytes, n // s.chunk_size,
-                                                   s.runs, kind="native"),
+            io[str(n)] = {**store_io(self.work, size, chunk_bytes, s.runs),
                           "copy": copy_path(size, chunk_bytes, s.runs, digest=digest)}
         self.timings["io_s"] = round(time.perf_counter() - t0, 1)
         return io
