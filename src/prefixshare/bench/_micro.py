@@ -314,8 +314,9 @@ STORE_IO_KEYS = {"raw": "raw", "checked": "fs_l2", "plain": "fs_l2_plain", "nati
 def store_io(work: Path, size: int, chunk_bytes: int, reps: int, kinds: tuple[str, ...] = FS_ADAPTERS,
              threads: int = 4) -> dict[str, dict[str, Any]]:
     """P3's measures in one loop: a round of raw I/O (:func:`raw_io`) and of each fs adapter of ``kinds``
-    (:func:`fs_l2_round`) per repetition, in an order that rotates, so that a medium whose speed drifts over minutes (a shared virtual disk: 1.4 and 1.9 GB/s for the same evicted read
-    minutes apart here) moves every ratio's two sides alike. Keys: :data:`STORE_IO_KEYS`' values."""
+    (:func:`fs_l2_round`) per repetition, in an order that rotates, so that a medium whose speed drifts over
+    minutes (a shared virtual disk: 1.4 and 1.9 GB/s for the same evicted read minutes apart here) moves every
+    ratio's two sides alike. Keys: :data:`STORE_IO_KEYS`' values."""
     chunks = size // chunk_bytes
     payload = os.urandom(chunk_bytes)
     raw = _RawIO(work / STORE_IO_DIRS["raw"], size)
