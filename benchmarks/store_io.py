@@ -1,6 +1,7 @@
 """The fs tier's store path at two revisions, in one run: raw sequential I/O, LMCache's plain fs adapter, and
 prefixshare's checked adapter as it is in this tree and as it was at ``--before`` (loaded from git), each
-storing and loading one request's chunks (page cache warm, then evicted), interleaved per repetition.
+storing and loading one request's chunks (page cache warm, then evicted), raw I/O included, interleaved per
+repetition.
 
     python benchmarks/store_io.py --before a8c5140^ [--reps 7] [--out docs/benchmarks/store-io.json]
 
@@ -59,7 +60,7 @@ def measure(work: Path, before: str, reps: int) -> dict[str, Any]:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 
-    from prefixshare.bench._micro import fs_l2_round, raw_io
+    from prefixshare.bench._micro import _RawIO, fs_l2_round
     from prefixshare.server.plugins.fs import CheckedFSL2Adapter
 
     old = _adapter_at(before, work)
@@ -77,21 +78,27 @@ def measure(work: Path, before: str, reps: int) -> dict[str, Any]:
     for n in LENGTHS:
         size, chunk_bytes = n * KV_BYTES_PER_TOKEN, CHUNK_TOKENS * KV_BYTES_PER_TOKEN
         payload = os.urandom(chunk_bytes)
-        raw = raw_io(work / "raw", size, reps)
+        raw = _RawIO(work / "raw", size)
+        raw_rounds: list[tuple[float, ...]] = []
         dirs = {k: work / k for k in makers}
         for d in dirs.values():
             d.mkdir(parents=True, exist_ok=True)
         adapters = {k: make(dirs[k]) for k, make in makers.items()}
         times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in adapters}
         try:
-            names = list(adapters)
+            names = ["raw", *adapters]
             for rep in range(reps):  # the order rotates each repetition: none is always first or after another
                 for k in names[rep % len(names):] + names[:rep % len(names)]:
-                    times[k].append(fs_l2_round(adapters[k], dirs[k], chunk_bytes, n // CHUNK_TOKENS, payload))
+                    if k == "raw":
+                        raw_rounds.append(raw.round())
+                    else:
+                        times[k].append(fs_l2_round(adapters[k], dirs[k], chunk_bytes, n // CHUNK_TOKENS, payload))
         finally:
+            raw.close()
             for a in adapters.values():
                 a.close()
-        row: dict[str, Any] = {"raw_gbps": {m: round(raw[f"{m}_gbps"]["median"], 3) for m in MEASURES}}
+        raw_gbps = raw.summary(raw_rounds)
+        row: dict[str, Any] = {"raw_gbps": {m: round(raw_gbps[f"{m}_gbps"]["median"], 3) for m in MEASURES}}
         for k, ts in times.items():
             row[k] = {m: round(size / statistics.median(t[i] for t in ts) / 1e9, 3) for i, m in enumerate(MEASURES)}
             row[f"{k}_vs_raw"] = {m: round(row[k][m] / row["raw_gbps"][m], 3) for m in MEASURES}
