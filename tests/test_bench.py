@@ -63,6 +63,10 @@ def test_quick_bench_produces_sane_results(tmp_path: Path) -> None:
         _sane(row["bypassed_cold_ttft_s"], runs)
         assert len(miss["added_values_s"]) == runs and math.isfinite(miss["in_process_ratio"])
         assert miss["bypassed_did"] == {"lookups": 0, "tokens_stored": 0, "tokens_loaded": 0}, miss
+        # a second raw engine computed the same prompts: the difference of two raw processes, P7's resolution
+        _sane(row["raw_twin_cold_ttft_s"], runs)
+        assert miss["raw_twin_ratio"] == row["raw_twin_cold_ttft_s"]["median"] / row["raw_cold_ttft_s"]["median"]
+        assert results["goals"]["P7"]["raw_twin"][str(n)] == miss["raw_twin_ratio"]
         # every miss was stored after its first token: its chunks reached the store's medium before the next request
         assert len(miss["landed_values_s"]) == runs and all(x is not None for x in miss["landed_values_s"]), miss
         assert 0 < row["overhead_us"]["calls_us"]["median"] < row["overhead_us"]["total_us"]
