@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import time
-import uuid
 from pathlib import Path
 from typing import Any
+
+from _meta import run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,11 +79,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "defer-hits.json")
     args = parser.parse_args()
     rows = run(args.tokens, args.hits)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    out = {"run_id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6],
-           "commit": commit + ("-dirty" if dirty else ""), "tokens": args.tokens, "hits": args.hits, "replicas": rows}
+    out = {**run_header("hits_after_deferred_store.py"), "tokens": args.tokens, "hits": args.hits, "replicas": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for name, row in rows.items():

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _meta import run_header
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,14 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from prefixshare.bench._memory import KINDS, idle_memory
 
     idles = sorted(float(x) for x in args.idle.split(","))
-    git = ["git", "-C", str(ROOT)]
-    result = {"run_id": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}",
-              "commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "dirty": bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
-                                           capture_output=True, text=True).stdout.strip()),
-              "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "command": " ".join(["python", "benchmarks/idle_memory.py", *(sys.argv[1:] if argv is None else argv)]),
-              **idle_memory(idles, args.mb << 20, args.rounds)}
+    result = {**run_header("idle_memory.py", argv), **idle_memory(idles, args.mb << 20, args.rounds)}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     for kind in KINDS:

@@ -36,13 +36,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
+
+from _meta import run_header
 
 from prefixshare.bench._procs import cpu_seconds, prompt_ids
 
@@ -188,9 +188,8 @@ def main() -> None:
             for n in LENGTHS}
     idle = statistics.median(idle_cpu)
     q = _q_summary(q_rows, idle)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"run_id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6], "commit": commit,
-           "rounds": args.rounds, "pause_s": args.pause, "rows": rows, "q": q, "idle_server_cpu_cores": idle_cpu}
+    out = {**run_header("miss_path.py"), "rounds": args.rounds, "pause_s": args.pause, "rows": rows, "q": q,
+           "idle_server_cpu_cores": idle_cpu}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for n in LENGTHS:
         qn = q[str(n)]

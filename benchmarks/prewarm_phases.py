@@ -19,18 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
+from _meta import run_header
 
 
 def _pairs(bench: Any, n: int, runs: int) -> list[dict[str, float]]:
@@ -80,12 +74,7 @@ def _landing(store: Path, sent: float, back: float, phases: dict[str, float]) ->
 def measure(lengths: list[int], runs: int) -> dict[str, Any]:
     from prefixshare.bench._run import Bench, Settings
 
-    out: dict[str, Any] = {"run_id": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}",
-                           "commit": _git("rev-parse", "HEAD").strip(),
-                           "dirty": bool(_git("status", "--porcelain", "--untracked-files=no").strip()),
-                           "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": runs,
-                           "command": " ".join(["python", "benchmarks/prewarm_phases.py", *sys.argv[1:]]),
-                           "per_length": {}}
+    out: dict[str, Any] = {**run_header("prewarm_phases.py"), "runs": runs, "per_length": {}}
     for n in lengths:
         bench = Bench(Settings.for_run(False, lengths=[n], slow_lengths=[n], runs=max(runs, 5), docs=None),
                       log=lambda _: None)

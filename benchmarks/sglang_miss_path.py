@@ -42,9 +42,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
+
+from _meta import run_header
 
 from prefixshare.bench._procs import cpu_seconds, prompt_ids
 from prefixshare.bench._run import _chunk_files, _wait_chunks
@@ -232,13 +233,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = measured.pop("rows")
-    git = ["git", "-C", str(ROOT)]
     result = {
-        "run_id": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}",
-        "commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "dirty": bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                     text=True).stdout.strip()),
-        "command": " ".join(["python", "benchmarks/sglang_miss_path.py", *sys.argv[1:]]),
+        **run_header("sglang_miss_path.py"),
         "cpus": len(os.sched_getaffinity(0)), "steps": steps, "pause_s": args.pause,
         "mode": "side by side" if args.one_at_a_time is None else f"one at a time, {args.one_at_a_time} rounds",
         "wall_s": round(time.monotonic() - started, 1), **measured,

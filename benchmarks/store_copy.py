@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
-import uuid
 from pathlib import Path
 from typing import Any
+
+from _meta import run_header
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, HEAD, BLOCK, CHUNK = 12, 4, 64, 128, 256
@@ -126,9 +126,7 @@ def main() -> None:
                              "lmcache_over_prefixshare": med["lmcache"] / med["prefixshare"]}
         print(f"{tokens} tokens ({nbytes / 1e6:.0f} MB): " + ", ".join(
             f"{k} {med[k] * 1e3:.1f} ms ({nbytes / med[k] / 1e9:.2f} GB/s)" for k in runs))
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"run_id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6], "commit": commit,
-           "threads": args.threads, "reps": args.reps, "rows": rows}
+    out = {**run_header("store_copy.py"), "threads": args.threads, "reps": args.reps, "rows": rows}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 
 

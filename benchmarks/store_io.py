@@ -18,13 +18,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import uuid
 from pathlib import Path
 from typing import Any
+
+from _meta import git, run_header
 
 ROOT = Path(__file__).resolve().parents[1]
 KV_BYTES_PER_TOKEN, CHUNK_TOKENS = 24576, 256
@@ -32,14 +31,10 @@ LENGTHS = (1024, 2048, 4096, 8192)
 MEASURES = ("write", "read_warm", "read_evicted")
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
-
-
 def _module_at(rev: str, scratch: Path, name: str) -> Any:
     """``src/prefixshare/server/plugins/<name>.py`` as it was at ``rev``, loaded under another name."""
     path = scratch / f"{name}_before.py"
-    path.write_text(_git("show", f"{rev}:src/prefixshare/server/plugins/{name}.py"))
+    path.write_text(git("show", f"{rev}:src/prefixshare/server/plugins/{name}.py"))
     spec = importlib.util.spec_from_file_location(f"prefixshare_{name}_before", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -69,12 +64,9 @@ def measure(work: Path, before: str, reps: int) -> dict[str, Any]:
         "checked_before": lambda d: old(FSL2AdapterConfig(base_path=str(d))),
         "checked_after": lambda d: CheckedFSL2Adapter({"base_path": str(d)}),
     }
-    out: dict[str, Any] = {"run_id": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}",
-                           "commit": _git("rev-parse", "HEAD").strip(), "before": _git("rev-parse", before).strip(),
-                           "dirty": bool(_git("status", "--porcelain", "--untracked-files=no").strip()),
-                           "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
-                           "reps": reps, "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "chunk_tokens": CHUNK_TOKENS,
-                           "command": " ".join(["python", "benchmarks/store_io.py", *sys.argv[1:]]), "per_length": {}}
+    out: dict[str, Any] = {**run_header("store_io.py"), "before": git("rev-parse", before).strip(),
+                           "cpus": os.cpu_count(), "reps": reps, "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+                           "chunk_tokens": CHUNK_TOKENS, "per_length": {}}
     for n in LENGTHS:
         size, chunk_bytes = n * KV_BYTES_PER_TOKEN, CHUNK_TOKENS * KV_BYTES_PER_TOKEN
         payload = os.urandom(chunk_bytes)

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
+
+from _meta import run_header
 
 ROOT = Path(__file__).resolve().parents[1]
 KV_BYTES_PER_TOKEN, CHUNK_TOKENS, TOKENS = 24576, 256, 4096
@@ -134,8 +135,7 @@ def main() -> None:
         result = measure(work, args.reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result.update(run_id=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6], commit=commit)
+    result.update(run_header("store_stages.py"))
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for name, row in result["rows"].items():
         sys.stdout.write(f"{name:14s} {row['gbps']:6.2f} GB/s  {row['over_raw']:.2f}x raw\n")

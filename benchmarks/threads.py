@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
-import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from _meta import run_header
 
 
 def _delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -101,11 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                     if name == "A":
                         rows[str(n)]["server_during_A"].append(_delta(srv0, thread_counters(server.pid)))
                     time.sleep(1.0)  # the store of A's miss lands before the next request
-    git = ["git", "-C", str(ROOT)]
     result: dict[str, Any] = {
-        "run_id": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}",
-        "commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "command": " ".join(["python", "benchmarks/threads.py", *(sys.argv[1:] if argv is None else argv)]),
+        **run_header("threads.py", argv),
         "runs": args.runs, "idle_s": args.idle,
         "server_idle_per_s": {name: {k: v if k == "threads" else round(v / args.idle, 3) for k, v in row.items()}
                               for name, row in sorted(idle.items(), key=lambda kv: -kv[1]["voluntary"])},
