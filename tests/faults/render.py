@@ -138,7 +138,8 @@ Faults we could not make safe, or bounds we could only measure:
   misconfigured address is loud. A tier that goes down later only costs misses. With a `launcher` (the server
   in another network or mount namespace) the probe is skipped: our view of the network is not the server's.
 * **An L1 smaller than one stored request drops that store.** LMCache allocates a request's chunks in one
-  batch and evicts only above 80 % use, once a second: with `l1.size_gb` 0.004 (16 chunk buffers) and
+  batch and evicts only above 80 % use (prefixshare's server checks whenever L1 takes a write, LMCache alone once
+  a second): with `l1.size_gb` 0.004 (16 chunk buffers) and
   10-chunk documents, every document after the first was refused ("Failed to batched allocate ... short by
   4 blocks" in the server log) and never reached L2, although nothing failed for the engine. Size L1 for
   several of the largest prefixes (`prefixshare plan` does). A burst of stores larger than L1's free space is
@@ -146,8 +147,9 @@ Faults we could not make safe, or bounds we could only measure:
   recomputes). `warm` paces its engine calls to the server's free memory and prefills again what verification
   still finds missing: a corpus 3x a 16 MiB L1 lost 32 of 48 documents unpaced and none paced
   (`test_a_corpus_larger_than_the_servers_memory_is_warmed_whole`).
-  Serving replicas are not paced: once L1 is full, the server takes new KV only as fast as it evicts
-  (`l1.eviction_ratio` of L1 per second).
+  Serving replicas are not paced: once L1 is full, the server takes new KV only as fast as it can evict, and
+  only chunks its L2 tier has written can go (with LMCache's own once-a-second check, `l1.eviction_ratio` of
+  L1 per second at most).
 * **Store writes that fail are silent to the engine.** When the fs tier is gone or full, LMCache logs the
   failed writes in the server log; the engine only sees misses later. `prefixshare doctor` and
   `prefixshare inspect` show what the store actually holds.

@@ -1,0 +1,95 @@
+"""The MP server's L1 eviction wakes on L1's events (:mod:`prefixshare.server.plugins.eviction`): LMCache's own
+L1 manager and eviction controller, in this process, filled over the watermark; LMCache's loop as it ships is the
+control (it cannot evict before its one-second sleep ends)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lmcache")
+
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
+from lmcache.v1.distributed.config import EvictionConfig, L1ManagerConfig, L1MemoryManagerConfig  # noqa: E402
+from lmcache.v1.distributed.l1_manager import L1Manager  # noqa: E402
+from lmcache.v1.distributed.storage_controllers import eviction_controller  # noqa: E402
+
+from prefixshare.server.plugins import eviction  # noqa: E402
+
+L1_BYTES = 16 << 20
+OBJECT_BYTES = 1 << 20
+
+
+def _l1() -> Any:
+    return L1Manager(L1ManagerConfig(memory_config=L1MemoryManagerConfig(size_in_bytes=L1_BYTES, use_lazy=False,
+                                                                         shm_name="")))
+
+
+def _write(l1: Any, count: int) -> list[Any]:
+    """``count`` objects of 1 MiB written into ``l1`` (reserved, then admitted: resident and evictable)."""
+    layout = MemoryLayoutDesc(shapes=[torch.Size([OBJECT_BYTES])], dtypes=[torch.uint8])
+    keys = [ObjectKey(chunk_hash=os.urandom(16), model_name="eviction-test", kv_rank=0) for _ in range(count)]
+    reserved = l1.reserve_write(keys, [False] * count, layout, tag="test")
+    assert all(obj is not None for _, obj in reserved.values()), reserved
+    l1.finish_write(keys, tag="test")
+    return keys
+
+
+def _usage(l1: Any) -> float:
+    used, total = l1.get_memory_usage()
+    return used / total
+
+
+def _seconds_to_evict(l1: Any, watermark: float, limit_s: float = 3.0) -> float:
+    """Seconds from now until ``l1`` is under ``watermark`` (polled every 5 ms), or ``limit_s``."""
+    t0 = time.monotonic()
+    while _usage(l1) >= watermark and time.monotonic() - t0 < limit_s:
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def _controller(l1: Any) -> Any:
+    controller = eviction_controller.L1EvictionController(l1, EvictionConfig(eviction_policy="LRU"))
+    controller.start()
+    time.sleep(0.05)  # its thread is in its wait
+    return controller
+
+
+def test_l1_eviction_runs_when_l1_fills_not_on_the_next_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    cls = eviction_controller.L1EvictionController
+    watermark = EvictionConfig(eviction_policy="LRU").trigger_watermark
+
+    # control: LMCache's loop as it ships sleeps a second before it looks
+    l1 = _l1()
+    controller = _controller(l1)
+    try:
+        _write(l1, 15)  # 15 of 16 MiB: over the watermark
+        assert _usage(l1) > watermark
+        shipped = _seconds_to_evict(l1, watermark)
+    finally:
+        controller.stop()
+    assert shipped >= 0.5, f"LMCache's own loop evicted after {shipped:.3f} s: the control does not hold"
+
+    monkeypatch.setattr(cls, "__init__", cls.__init__)  # undone after the test
+    monkeypatch.setattr(cls, "eviction_loop", cls.eviction_loop)
+    assert eviction.install() and eviction.install()  # idempotent
+    l1 = _l1()
+    controller = _controller(l1)
+    try:
+        _write(l1, 12)  # 12 of 16: under the watermark, a wake evicts nothing
+        time.sleep(0.2)
+        assert _usage(l1) == 12 / 16
+        _write(l1, 3)  # 15 of 16
+        woken = _seconds_to_evict(l1, watermark)
+        assert woken < 0.3, f"evicted {woken:.3f} s after L1 crossed its watermark"
+        assert _usage(l1) < watermark
+        # LMCache's policy and ratio are kept: the oldest objects go, a fifth of L1 (and a bit more) at a time
+        assert _usage(l1) >= 15 / 16 - 0.2 - 2 * OBJECT_BYTES / L1_BYTES
+    finally:
+        t0 = time.monotonic()
+        controller.stop()
+    assert time.monotonic() - t0 < 1.5  # stop still ends the thread
