@@ -3,6 +3,7 @@ trip from separate processes, a second server on the same fs directory, reuse, f
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -157,6 +158,17 @@ def test_reuse_a_compatible_server_and_refuse_an_incompatible_one(server_a: LMCa
         LMCacheServer(other).start()
     with pytest.raises(ServerError, match="already running"):
         LMCacheServer(server_a.policy).start(reuse=False)
+
+
+def test_adapters_added_by_extra_args_count_among_the_servers_tiers() -> None:
+    """A server started with ``server.extra_args`` adding an L2 adapter (a benchmark's slow store) is the policy's:
+    the reuse check expects those adapters after the policy's tiers, in argv order."""
+    from prefixshare.server._process import _extra_l2_types
+
+    argv = ["--max-workers", "2", "--l2-adapter", json.dumps({"type": "plugin", "adapter_params": {}}),
+            '--l2-adapter={"type": "fs"}', "--l2-adapter", "not json"]
+    assert _extra_l2_types(argv) == ["plugin", "fs", "?"]
+    assert _extra_l2_types(["--l2-adapter"]) == []
 
 
 def test_a_port_held_by_another_program_is_named(tmp_path: Path) -> None:

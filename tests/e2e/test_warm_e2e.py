@@ -256,21 +256,25 @@ def test_warm_on_redis_is_checked_by_the_server_and_the_check_can_fail(
 # --- a corpus larger than the server's memory -----------------------------------------------------------------
 
 #: 48 documents of 4 chunks (1 MiB of the tiny model's KV each) through a 16 MiB server memory that evicts half of
-#: itself once a second above 80 %
-CORPUS_DOCS, CORPUS_WORDS, L1_MIB = 48, 215, 16
+#: itself above 80 %, to a store that writes a chunk (256 KiB) in STORE_CHUNK_DELAY_S, 4 at a time (8 MiB/s)
+CORPUS_DOCS, CORPUS_WORDS, L1_MIB, STORE_CHUNK_DELAY_S = 48, 215, 16, 0.125
 
 
 def test_a_corpus_larger_than_the_servers_memory_is_warmed_whole(work: Path, model: Path) -> None:
-    """The server drops a store it has no memory for. Unpaced and without retries (the negative control), a
+    """The server drops a store it has no memory for, and only chunks its store has written can be evicted. With
+    a store slower to write than the engine computes, unpaced and without retries (the negative control), a
     corpus sent in one engine call loses documents; warm as it runs by default sends each engine call what the
-    server's memory has room for (waiting for its eviction), prefills again what verification still finds
-    missing, and every document reaches the store; questions about three of them, this replica's prefix cache
-    emptied, load their prefix from the store and answer like a cold model."""
+    server's memory has room for (waiting for the writes and the eviction), prefills again what verification
+    still finds missing, and every document reaches the store; questions about three of them, this replica's
+    prefix cache emptied, load their prefix from the store and answer like a cold model."""
+    from prefixshare.bench._procs import throttled_store_spec
     from prefixshare.model import document_text
 
+    (work / "store-corpus").mkdir(exist_ok=True)
+    slow = throttled_store_spec(str(work / "store-corpus"), store_chunk_delay_s=STORE_CHUNK_DELAY_S)
     policy = Policy.build(chunk_size=CHUNK, l1={"size_gb": L1_MIB / 1024, "eviction_ratio": 0.5},
-                          l2=[{"type": "fs", "base_path": str(work / "store-corpus"), "create": True}],
-                          server={"port": free_port(), "http_port": free_port(), "start_timeout_s": 120})
+                          server={"port": free_port(), "http_port": free_port(), "start_timeout_s": 120,
+                                  "extra_args": ["--l2-adapter", json.dumps(slow)]})
 
     def corpus(name: str, seed: int) -> dict[str, str]:
         return {f"{name}-{i}": document_text(CORPUS_WORDS, seed=seed + i) for i in range(CORPUS_DOCS)}

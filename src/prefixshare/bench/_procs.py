@@ -32,11 +32,14 @@ def cpu_seconds(pid: int) -> float:
 
 
 def throttled_store_spec(base_path: str, *, chunk_delay_s: float = 0.0, read_gbps: float | None = None,
-                         control_path: str | None = None) -> dict[str, Any]:
+                         control_path: str | None = None, store_chunk_delay_s: float = 0.0) -> dict[str, Any]:
     """The ``--l2-adapter`` JSON object of a deliberately slow fs store on ``base_path`` (see
     :mod:`prefixshare.bench._throttle`; building the spec imports nothing of LMCache). ``control_path``: a JSON
-    file the adapter reads its delay from at every load (a replica's ``throttle`` step writes it)."""
+    file the adapter reads its delay from at every load (a replica's ``throttle`` step writes it);
+    ``store_chunk_delay_s``: what each chunk's write waits first."""
     params: dict[str, Any] = {"base_path": base_path, "chunk_delay_s": chunk_delay_s}
+    if store_chunk_delay_s:
+        params["store_chunk_delay_s"] = store_chunk_delay_s
     if read_gbps:
         params["read_gbps"] = read_gbps
     if control_path:

@@ -1,4 +1,4 @@
-"""A deliberately slow store for benchmarks and tests: LMCache's fs L2 adapter with an added read delay.
+"""A deliberately slow store for benchmarks and tests: LMCache's fs L2 adapter with an added read (and write) delay.
 
 Loaded by LMCache's MP server through its ``plugin`` L2 adapter type (never imported by prefixshare itself)::
 
@@ -9,9 +9,12 @@ Loaded by LMCache's MP server through its ``plugin`` L2 adapter type (never impo
 Every load (L2 -> the server's memory) first sleeps ``chunk_delay_s`` per chunk plus ``bytes / read_gbps``,
 then reads and checks the files exactly like the fs tier's adapter (it reads what an fs tier wrote). With
 ``control_path``, both are read from that JSON file (``{"chunk_delay_s": ..., "read_gbps": ...}``) at every load,
-so a benchmark can change the store's speed while the server runs (:func:`prefixshare.bench._procs.set_throttle` writes it). Stores,
-lookups (file-exists checks) and deletes are the fs tier's own. It models a store whose medium is slow —
-a congested NFS mount, a remote object store — the case in which loading loses to recomputing. Build the spec with
+so a benchmark can change the store's speed while the server runs (:func:`prefixshare.bench._procs.set_throttle`
+writes it). With ``store_chunk_delay_s``, each chunk's write first sleeps that long in the I/O thread that
+writes it (``io_threads`` at a time): a medium that takes new chunks slowly, so the server's memory holds them,
+unevictable, until they are written. Lookups (file-exists checks) and deletes are the fs tier's own. It models a
+store whose medium is slow — a congested NFS mount, a remote object store — the case in which loading loses to
+recomputing (and, slow to write, in which the server's memory fills). Build the spec with
 :func:`prefixshare.bench._procs.throttled_store_spec` (which imports nothing of LMCache).
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
@@ -34,6 +38,7 @@ class ThrottledFSL2Adapter(CheckedFSL2Adapter):
         gbps = params.pop("read_gbps", None)
         self.read_bytes_per_s = float(gbps) * 1e9 if gbps else None
         self.control_path = params.pop("control_path", None)
+        self.store_chunk_delay_s = float(params.pop("store_chunk_delay_s", 0.0))
         self._control_mtime: int | None = None
         super().__init__(FSL2AdapterConfig.from_dict(params))
 
@@ -52,6 +57,11 @@ class ThrottledFSL2Adapter(CheckedFSL2Adapter):
         gbps = data.get("read_gbps")
         self.read_bytes_per_s = float(gbps) * 1e9 if gbps else None
 
+    def _store_chunk(self, final: Any, tmp: Any, payload: memoryview) -> int:
+        if self.store_chunk_delay_s > 0:
+            time.sleep(self.store_chunk_delay_s)  # an I/O thread of the adapter's pool: the medium is busy
+        return super()._store_chunk(final, tmp, payload)
+
     def _start_load(self, keys: list[Any], objects: list[Any], task_id: Any) -> None:
         """The fs tier's load, started after the delay (a timer on the adapter's event loop: no thread waits)."""
         if self.control_path:
@@ -67,7 +77,8 @@ class ThrottledFSL2Adapter(CheckedFSL2Adapter):
 
     def report_status(self) -> dict[str, Any]:
         status = super().report_status()
-        status["throttle"] = {"chunk_delay_s": self.chunk_delay_s, "read_bytes_per_s": self.read_bytes_per_s}
+        status["throttle"] = {"chunk_delay_s": self.chunk_delay_s, "read_bytes_per_s": self.read_bytes_per_s,
+                              "store_chunk_delay_s": self.store_chunk_delay_s}
         return status
 
 

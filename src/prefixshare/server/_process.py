@@ -150,7 +150,7 @@ class LMCacheServer:
             problems.append(f"transfer mode {mode} (policy: {want.server.transfer_mode})")
         types = [a.get("type_name") for a in running["adapters"] if a.get("tier", "l2") == "l2"]
         rendered = [t.server_config() for t in want.l2]
-        wanted = [r["type"] for r in rendered]
+        wanted = [r["type"] for r in rendered] + _extra_l2_types(want.server.extra_args)
         if types != wanted:
             problems.append(f"L2 tiers {types} (policy: {wanted})")
         else:
@@ -373,3 +373,21 @@ def _signal_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _extra_l2_types(argv: list[str]) -> list[str]:
+    """The types of the L2 adapters that ``server.extra_args`` adds (``--l2-adapter JSON``, after the policy's
+    tiers, as the server's argv has them); an argument that is not JSON counts with the type ``?``."""
+    specs: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--l2-adapter" and i + 1 < len(argv):
+            specs.append(argv[i + 1])
+        elif arg.startswith("--l2-adapter="):
+            specs.append(arg.split("=", 1)[1])
+    types: list[str] = []
+    for spec in specs:
+        try:
+            types.append(str(json.loads(spec).get("type", "?")))
+        except (ValueError, AttributeError):
+            types.append("?")
+    return types
