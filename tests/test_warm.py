@@ -518,6 +518,38 @@ def test_room_waits_only_when_the_server_will_free_memory(used: int, pending: in
     room.close()
 
 
+def test_a_call_the_server_was_busy_with_and_is_idle_after_has_landed() -> None:
+    """An engine call's KV counts as taken until the server's usage shows it, for up to TRANSIT_S; a server that
+    evicts as it fills never shows it. Once the server was seen busy after the call and is idle again, the call's
+    stores have landed and its KV no longer counts: the next call is sent at once, not TRANSIT_S later."""
+    import httpx
+
+    from prefixshare._log import get_logger
+    from prefixshare.warm import _room
+    from prefixshare.warm._room import ServerRoom
+
+    server = {"used": 60, "pending": 0}
+
+    def status(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"storage_manager": {
+            "l1_usage": [server["used"], 100], "l1_manager": {"staging_object_count": 0},
+            "store_controller": {"pending_keys_count": server["pending"], "in_flight_task_count": 0},
+            "l1_eviction_controller": {"trigger_watermark": 0.8}}})
+
+    room = ServerRoom("http://server", log=get_logger("test"), transport=httpx.MockTransport(status))
+    assert room.fit([30, 30]) == 1  # 35 free
+    room.sent(30)
+    server["pending"] = 4  # its stores arrive; the server evicts as it fills: usage stays 60
+    assert room.fit([30], timeout_s=0.05) == 1 and room.paced_s >= 0.05  # 35 free less 30 unseen: waited
+    server["pending"] = 0  # written (and evictable): landed
+    before = room.paced_s
+    assert room.fit([30, 30], timeout_s=5) == 1 and room.paced_s - before < _room.TRANSIT_S / 2
+    room.sent(30)
+    # a call the server was never seen busy with still counts until TRANSIT_S
+    assert room.fit([30], timeout_s=0.05) == 1 and room._unseen(room.read()) == 30
+    room.close()
+
+
 def test_warm_paces_its_engine_calls_to_the_servers_memory(l1_setup: Any, tokenizer: Any) -> None:
     """The whole corpus in one engine call would overflow the server's memory (16 MiB into 10): warm sends only
     what the memory has room for, waits for its eviction when none is left, and loses no document. The negative

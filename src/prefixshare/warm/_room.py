@@ -2,21 +2,25 @@
 
 Every store passes through the server's memory: the engine's KV lands in L1, and the server writes it to its L2
 tiers from there. LMCache's server drops a store it cannot reserve L1 memory for (the allocation fails; the
-server logs a warning, the engine hears nothing). Its L1 eviction runs once a second, only above its trigger
-watermark (0.8 by default), and only on chunks whose L2 write has finished. So a batch of documents whose KV is
-more than L1's free space at that moment is partly dropped, however fast the L2 tier is: 59 of 200 documents of a
+server logs a warning, the engine hears nothing). Its L1 eviction runs only above its trigger watermark (0.8 by
+default), and only on chunks whose L2 write has finished: LMCache checks once a second, prefixshare's server
+whenever L1 takes a write (:mod:`prefixshare.server.plugins.eviction`). So a batch of documents whose KV is more
+than L1's free space at that moment is partly dropped, however fast the L2 tier is: 59 of 200 documents of a
 corpus were lost with a 0.25 GB L1 (400 MB of KV per 16k-token batch) before warm paced its batches.
 
 warm reads the server's ``/status`` before each engine call and sends only the documents whose KV fits the free
 space (:meth:`ServerRoom.fit`); when not even the first fits, it waits for the eviction (or the L2 writes that
 make chunks evictable), within a bound. An engine call returns before its stores reach the server, so the KV of
-the calls of the last :data:`TRANSIT_S` that the server's usage does not show yet is counted as taken.
+the calls of the last :data:`TRANSIT_S` that the server's usage does not show yet is counted as taken (until the
+server, seen busy after the call, is idle again: its stores landed).
 :meth:`ServerRoom.settled` tells verification that the server has no store in progress, so a chunk still
 missing will not land and can be prefilled again. A load needs room in L1 too: right after a burst of stores has
-taken L1 over its watermark, a replica's lookup misses until the next eviction (up to a second) and recomputes.
+taken L1 over its watermark, a replica's lookup misses until the next eviction and recomputes.
 
-The server's eviction bounds how fast anything can be stored once its memory is full: a share of it
-(``l1.eviction_ratio``, 0.2 by default) per second. A 1 GB L1 takes at most about 200 MB/s of new KV.
+The server's eviction bounds how fast anything can be stored once its memory is full. With LMCache's own loop
+that is a share of L1 (``l1.eviction_ratio``, 0.2 by default) per second: a 1 GB L1 took at most about 200 MB/s
+of new KV. prefixshare's server evicts when L1 crosses its watermark, so the bound is the rate at which its L2
+tier writes chunks (a chunk is evictable once written).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ MARGIN = 0.05
 #: verification reports it)
 WAIT_TIMEOUT_S = 15.0
 #: polls of /status while waiting for room: the first after this many seconds, each 1.5x the last, at most POLL_MAX_S
-#: (LMCache evicts once a second)
+#: (the server evicts when L1 crosses its watermark; LMCache alone, once a second)
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.25
 STATUS_TIMEOUT_S = 2.0
@@ -100,24 +104,28 @@ class ServerRoom:
         #: seconds warm spent pacing, in all: reading the server's memory and waiting for room
         self.paced_s = 0.0
         self._client = http_client(self.http_url, STATUS_TIMEOUT_S, transport)
-        #: engine calls not yet shown by the server's usage, maybe: (when the call returned, its KV bytes, the
-        #: usage read before it)
-        self._sent: collections.deque[tuple[float, int, int]] = collections.deque()
+        #: engine calls not yet shown by the server's usage, maybe: [when the call returned, its KV bytes, the
+        #: usage read before it, whether the server was seen busy since]
+        self._sent: collections.deque[list[Any]] = collections.deque()
         self._last_used = 0
 
     def sent(self, kv_bytes: int) -> None:
         """An engine call of ``kv_bytes`` of KV has just returned (its stores are on their way)."""
-        self._sent.append((time.monotonic(), kv_bytes, self._last_used))
+        self._sent.append([time.monotonic(), kv_bytes, self._last_used, False])
 
     def _unseen(self, room: Room) -> int:
-        """KV of the engine calls of the last TRANSIT_S beyond what the server's usage grew by since."""
+        """KV of the engine calls of the last TRANSIT_S beyond what the server's usage grew by since. A call whose
+        stores the server was seen busy with, and is idle again after, has landed: it is no longer counted (an
+        eviction as prompt as prefixshare's server's hides its growth; it would otherwise count for TRANSIT_S)."""
         now = time.monotonic()
-        while self._sent and now - self._sent[0][0] > TRANSIT_S:
+        for call in self._sent:
+            call[3] = call[3] or not room.idle
+        while self._sent and (now - self._sent[0][0] > TRANSIT_S or (room.idle and self._sent[0][3])):
             self._sent.popleft()
         if not self._sent:
             return 0
         grown = max(room.used - self._sent[0][2], 0)  # an eviction meanwhile hides growth: counted as unseen
-        return max(sum(n for _, n, _ in self._sent) - grown, 0)
+        return max(sum(call[1] for call in self._sent) - grown, 0)
 
     def close(self) -> None:
         self._client.close()
