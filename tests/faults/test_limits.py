@@ -162,9 +162,9 @@ def test_l1_pressure_evicts_without_errors(run: dict[str, Any], cold: dict[str, 
                "stored and loaded back to back)",
                ("the server evicts (LRU, above 80 % use) and serves evicted documents from L2; no errors; "
                 "outputs identical" if not status["alloc_failures"] else
-                "no request fails and every answer is identical; but LMCache evicts only above 80 % use and once a "
-                "second, so a store that did not fit in the free L1 at that moment was dropped (\"Failed to batched "
-                "allocate\" in the server log) and that document is recomputed next time"),
+                "no request fails and every answer is identical; but the server evicts only above 80 % use and only "
+                "chunks its L2 tier has written, so a store that did not fit in the free L1 at that moment was dropped "
+                "(\"Failed to batched allocate\" in the server log) and that document is recomputed next time"),
                **row_counters(c), identical_to_cold=same, max_added_latency_s=worst,
                budget_s=servers.policy.load.timeout_s,
                extra={"requests_admitted": c["admitted"], "documents_in_l2": stored, "l2_chunks": l2_chunks,

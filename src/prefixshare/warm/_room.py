@@ -54,7 +54,7 @@ class Room:
 
     used: int
     total: int
-    #: the usage share above which the server evicts (once a second)
+    #: the usage share above which the server evicts
     watermark: float
     #: chunks the server is still writing to its L2 tiers, or has yet to (not evictable until written)
     pending: int

@@ -48,7 +48,7 @@ def _listener_class(base: type) -> type:
     return type("PrefixShareEvictionWake", (base,), namespace)
 
 
-def _loop(original: Callable[[Any], None]) -> Callable[[Any], None]:
+def _loop(original: Callable[[Any], None], lmcache_log: Any) -> Callable[[Any], None]:
     def eviction_loop(self: Any) -> None:
         """LMCache's L1 eviction loop, checking when woken (see the module) rather than each second."""
         wake: threading.Event | None = getattr(self, "_prefixshare_wake", None)
@@ -69,6 +69,9 @@ def _loop(original: Callable[[Any], None]) -> Callable[[Any], None]:
                 if not woken:  # LMCache's once-a-second tick event, not one per write
                     self._publish_skipped(usage, config.trigger_watermark)
                 continue
+            if lmcache_log is not None:  # LMCache's own line for each round (operators and our tests count them)
+                lmcache_log.info("L1 memory usage %.2f above watermark %.2f; triggering eviction.", usage,
+                                 config.trigger_watermark)
             actions = self._eviction_policy.get_eviction_actions(
                 config.eviction_ratio, key_eligible_filter=self._l1_manager.is_key_evictable)
             for action in actions:
@@ -103,5 +106,5 @@ def install() -> bool:
         l1_manager.register_listener(listener(self._prefixshare_wake))
 
     cls.__init__ = __init__
-    cls.eviction_loop = _loop(original_loop)
+    cls.eviction_loop = _loop(original_loop, getattr(eviction_controller, "logger", None))
     return True
