@@ -93,3 +93,30 @@ def test_l1_eviction_runs_when_l1_fills_not_on_the_next_second(monkeypatch: pyte
         t0 = time.monotonic()
         controller.stop()
     assert time.monotonic() - t0 < 1.5  # stop still ends the thread
+
+
+def test_a_full_l1_with_nothing_evictable_is_not_scanned_at_every_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks still being written (staged: write-locked, like chunks waiting for a slow L2 tier) cannot be evicted;
+    a round that finds nothing to evict makes the next wait EMPTY_ROUND_GAP_S, so writes arriving every 10 ms
+    cost a round (a scan of L1 and LMCache's log line) every 0.1 s, not every 20 ms."""
+    cls = eviction_controller.L1EvictionController
+    monkeypatch.setattr(cls, "__init__", cls.__init__)
+    monkeypatch.setattr(cls, "eviction_loop", cls.eviction_loop)
+    assert eviction.install()
+    l1 = _l1()
+    layout = MemoryLayoutDesc(shapes=[torch.Size([OBJECT_BYTES])], dtypes=[torch.uint8])
+    keys = [ObjectKey(chunk_hash=os.urandom(16), model_name="eviction-test", kv_rank=0) for _ in range(14)]
+    l1.reserve_write(keys, [False] * len(keys), layout, tag="test")  # staged, never admitted
+    assert _usage(l1) > EvictionConfig(eviction_policy="LRU").trigger_watermark
+    controller = _controller(l1)
+    rounds: list[float] = []
+    monkeypatch.setattr(controller, "_publish_triggered", lambda *a: rounds.append(time.monotonic()))
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:
+            controller._prefixshare_wake.set()  # what each write or release does
+            time.sleep(0.01)
+    finally:
+        controller.stop()
+    assert _usage(l1) == 14 / 16  # nothing was evictable
+    assert 3 <= len(rounds) <= 1.0 / eviction.EMPTY_ROUND_GAP_S + 2, len(rounds)

@@ -9,8 +9,9 @@ prefill on an accelerator produces KV far faster than that.
 :func:`install`, called by the server's entry point before LMCache builds its controllers, keeps LMCache's
 policy, watermark and ratio and changes only when the check runs: the eviction thread also wakes when L1
 takes a write or releases a read (a store reserved or finished, a chunk's copy to the L2 tier done, which is
-when it becomes evictable), at most every :data:`MIN_GAP_S`, and still once a second when nothing happens.
-A wake with L1 under its watermark costs one read of its usage and nothing else.
+when it becomes evictable), at most every :data:`MIN_GAP_S` (:data:`EMPTY_ROUND_GAP_S` after a round that found
+nothing evictable), and still once a second when nothing happens. A wake with L1 under its watermark costs one
+read of its usage and nothing else.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from typing import Any, Callable
 MIN_GAP_S = 0.02
 #: the check still runs this often when nothing wakes it (LMCache's own period)
 IDLE_S = 1.0
+#: after a round that found nothing evictable (every chunk still waiting for its L2 write), the next one waits
+#: this long at least: a store slower than its writers would otherwise log and scan L1 at every write
+EMPTY_ROUND_GAP_S = 0.1
 
 #: L1 events after which eviction may have work: room taken, or a chunk no longer held by a reader
 _WAKE_ON = ("on_l1_keys_reserved_write", "on_l1_keys_write_finished", "on_l1_keys_read_finished",
@@ -77,7 +81,8 @@ def _loop(original: Callable[[Any], None], lmcache_log: Any) -> Callable[[Any], 
             for action in actions:
                 self.execute_eviction_action(action)
             self._publish_triggered(usage, config.trigger_watermark)
-            self._stop_flag.wait(MIN_GAP_S)
+            evicted = sum(len(getattr(action, "keys", ())) for action in actions)
+            self._stop_flag.wait(MIN_GAP_S if evicted else EMPTY_ROUND_GAP_S)
 
     eviction_loop.prefixshare_wakes = True  # type: ignore[attr-defined]
     return eviction_loop
