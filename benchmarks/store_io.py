@@ -5,7 +5,7 @@ repetition.
 
     python benchmarks/store_io.py --before a8c5140^ [--reps 7] [--out docs/benchmarks/store-io.json]
 
-The same measure as the bench's P3 (``prefixshare.bench._micro.fs_l2_io``), with a "before" column so a change
+The same measure as the bench's P3 (``prefixshare.bench._micro.store_io``), with a "before" column so a change
 to the adapter is judged against the code it replaced on the same machine at the same time. Bench model's KV
 (24,576 bytes per token), 256-token chunks, 1k-8k tokens. Ratios are medians over ``--reps``.
 """
@@ -55,7 +55,7 @@ def measure(work: Path, before: str, reps: int) -> dict[str, Any]:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 
-    from prefixshare.bench._micro import _RawIO, fs_l2_round
+    from prefixshare.bench._micro import RawIO, fs_l2_round
     from prefixshare.server.plugins.fs import CheckedFSL2Adapter
 
     old = _adapter_at(before, work)
@@ -70,7 +70,7 @@ def measure(work: Path, before: str, reps: int) -> dict[str, Any]:
     for n in LENGTHS:
         size, chunk_bytes = n * KV_BYTES_PER_TOKEN, CHUNK_TOKENS * KV_BYTES_PER_TOKEN
         payload = os.urandom(chunk_bytes)
-        raw = _RawIO(work / "raw", size)
+        raw = RawIO(work / "raw", size)
         raw_rounds: list[tuple[float, ...]] = []
         dirs = {k: work / k for k in makers}
         for d in dirs.values():

@@ -101,19 +101,10 @@ def _read(path: Path, buf: bytearray) -> float:
     return time.perf_counter() - t0
 
 
-def raw_io(directory: Path, size: int, reps: int) -> dict[str, Any]:
-    """Sequential write (page cache, as LMCache's fs adapter writes: no fsync) and read of one ``size``-byte
-    file in ``directory`` (the store's medium); reads with the page cache warm and evicted (fadvise)."""
-    raw = _RawIO(directory, size)
-    try:
-        return raw.summary([raw.round() for _ in range(reps)])
-    finally:
-        raw.close()
-
-
-class _RawIO:
-    """One repetition of :func:`raw_io` at a time (so that :func:`store_io` can interleave it with the
-    adapters')."""
+class RawIO:
+    """Raw sequential I/O on the store's medium, one repetition (:meth:`round`) at a time, so that
+    :func:`store_io` can interleave it with the adapters': a write of one ``size``-byte file (page cache, as
+    LMCache's fs adapter writes: no fsync), its reads with the page cache warm and evicted (fadvise)."""
 
     def __init__(self, directory: Path, size: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -175,7 +166,7 @@ def fs_l2_round(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, pa
     """One request's ``chunks`` objects of ``payload`` stored through an fs L2 adapter, then loaded with the page
     cache warm and evicted, checked and removed: (store, warm load, evicted load) seconds.
 
-    The warm load is timed right after an untimed one, as :func:`raw_io` times its warm read right after an
+    The warm load is timed right after an untimed one, as :meth:`RawIO.round` times its warm read right after an
     untimed read: on this box a read of memory left alone for milliseconds can be slower (25 MB in one run: 11.5 GB/s
     at once, 7 GB/s after 20 ms, 3.3 GB/s after 50 ms; :mod:`prefixshare.bench._memory`), so the two are timed
     from the same state or the ratio measures the gap between them (run 5d1f42051677: 1k 0.66x with raw re-read
@@ -198,14 +189,14 @@ def fs_l2_round(adapter: Any, directory: Path, chunk_bytes: int, chunks: int, pa
     if int(done[task]) < 0:  # LMCache's L2StoreResult: bytes written, or -1
         raise RuntimeError("fs L2 store task failed")
     dst = [_Obj(chunk_bytes) for _ in range(chunks)]
-    for f in set(_files(directory)) - before:  # written back, as raw_io's file is before its timed reads
+    for f in set(_files(directory)) - before:  # written back, as RawIO's file is before its timed reads
         _sync(f)
     reads: list[float] = []
     for evicted in (False, True):
         if evicted:
             for f in set(_files(directory)) - before:
                 evict(f)
-        else:  # read once untimed right before, as raw_io's warm read is: both timed from the same state
+        else:  # read once untimed right before, as RawIO's warm read is: both timed from the same state
             _load(adapter, keys, dst, chunks)
         reads.append(_load(adapter, keys, dst, chunks))
     if bytes(dst[0].byte_array) != payload:
@@ -281,21 +272,6 @@ def _fs_adapter(kind: str, directory: Path, io_threads: int) -> Any:
     return CheckedFSL2Adapter(config)
 
 
-def fs_l2_io(directory: Path, chunk_bytes: int, chunks: int, reps: int, *, checked: bool = True,
-             kind: str | None = None) -> dict[str, Any]:
-    """Store and load ``chunks`` objects of ``chunk_bytes`` through one of the MP server's fs L2 adapters
-    (``kind``, see :data:`FS_ADAPTERS`; ``checked`` picks prefixshare's or LMCache's plain one when ``kind`` is
-    not given), driven directly, page cache warm and evicted: the store path without the engine."""
-    directory.mkdir(parents=True, exist_ok=True)
-    adapter = fs_adapter(kind or ("checked" if checked else "plain"), directory)
-    payload = os.urandom(chunk_bytes)
-    try:
-        rounds = [fs_l2_round(adapter, directory, chunk_bytes, chunks, payload) for _ in range(reps)]
-    finally:
-        adapter.close()
-    return _fs_summary(rounds, chunk_bytes, chunks)
-
-
 def _fs_summary(rounds: list[tuple[float, float, float]], chunk_bytes: int, chunks: int) -> dict[str, Any]:
     size = chunk_bytes * chunks
 
@@ -313,13 +289,13 @@ STORE_IO_KEYS = {"raw": "raw", "checked": "fs_l2", "plain": "fs_l2_plain", "nati
 
 def store_io(work: Path, size: int, chunk_bytes: int, reps: int, kinds: tuple[str, ...] = FS_ADAPTERS,
              threads: int = 4) -> dict[str, dict[str, Any]]:
-    """P3's measures in one loop: a round of raw I/O (:func:`raw_io`) and of each fs adapter of ``kinds``
+    """P3's measures in one loop: a round of raw I/O (:class:`RawIO`) and of each fs adapter of ``kinds``
     (:func:`fs_l2_round`) per repetition, in an order that rotates, so that a medium whose speed drifts over
     minutes (a shared virtual disk: 1.4 and 1.9 GB/s for the same evicted read minutes apart here) moves every
     ratio's two sides alike. Keys: :data:`STORE_IO_KEYS`' values."""
     chunks = size // chunk_bytes
     payload = os.urandom(chunk_bytes)
-    raw = _RawIO(work / STORE_IO_DIRS["raw"], size)
+    raw = RawIO(work / STORE_IO_DIRS["raw"], size)
     adapters: dict[str, tuple[Any, Path]] = {}
     rounds: dict[str, list[Any]] = {"raw": []}
     try:

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixshare.bench._connectors import connector_rows, run_connector_pairs
-from prefixshare.bench._micro import copy_path, machine, runtime_overhead, store_io, summary
+from prefixshare.bench._micro import STORE_IO_DIRS, copy_path, machine, runtime_overhead, store_io, summary
 from prefixshare.bench._procs import run_replica, throttled_store_spec
 from prefixshare.errors import PrefixShareError
 from prefixshare.keys import REQ_LOAD, REQ_STORE
@@ -894,7 +894,7 @@ def run_bench(settings: Settings, log: Callable[[str], None] = print) -> dict[st
         settings.docs.parent.mkdir(parents=True, exist_ok=True)
         settings.docs.write_text(render_markdown(results, settings.docs))
         results["docs_path"] = str(settings.docs)
-    for name in ("store", "io", "io-l2", "io-l2-plain", "io-l2-native"):
+    for name in ("store", *STORE_IO_DIRS.values()):
         shutil.rmtree(bench.work / name, ignore_errors=True)
     check = results["goals"]["P2"]["floor_check"]
     if not check["ok"]:
