@@ -76,6 +76,16 @@ class Room:
         return self.pending == 0 and self.staging == 0
 
 
+@dataclass
+class _Call:
+    """An engine call whose KV the server's usage may not show yet."""
+
+    returned: float  # monotonic time the call returned
+    kv_bytes: int
+    used_before: int  # the server's usage read before the call
+    seen_busy: bool = False  # the server was seen with a store in progress since
+
+
 def parse_room(status: dict[str, Any]) -> Room | None:
     """The :class:`Room` ``/status`` describes; None when it lacks the fields (another LMCache version)."""
     sm = status.get("storage_manager")
@@ -104,14 +114,13 @@ class ServerRoom:
         #: seconds warm spent pacing, in all: reading the server's memory and waiting for room
         self.paced_s = 0.0
         self._client = http_client(self.http_url, STATUS_TIMEOUT_S, transport)
-        #: engine calls not yet shown by the server's usage, maybe: [when the call returned, its KV bytes, the
-        #: usage read before it, whether the server was seen busy since]
-        self._sent: collections.deque[list[Any]] = collections.deque()
+        #: engine calls not yet shown by the server's usage, maybe
+        self._sent: collections.deque[_Call] = collections.deque()
         self._last_used = 0
 
     def sent(self, kv_bytes: int) -> None:
         """An engine call of ``kv_bytes`` of KV has just returned (its stores are on their way)."""
-        self._sent.append([time.monotonic(), kv_bytes, self._last_used, False])
+        self._sent.append(_Call(time.monotonic(), kv_bytes, self._last_used))
 
     def _unseen(self, room: Room) -> int:
         """KV of the engine calls of the last TRANSIT_S beyond what the server's usage grew by since. A call whose
@@ -119,13 +128,13 @@ class ServerRoom:
         eviction as prompt as prefixshare's server's hides its growth; it would otherwise count for TRANSIT_S)."""
         now = time.monotonic()
         for call in self._sent:
-            call[3] = call[3] or not room.idle
-        while self._sent and (now - self._sent[0][0] > TRANSIT_S or (room.idle and self._sent[0][3])):
+            call.seen_busy = call.seen_busy or not room.idle
+        while self._sent and (now - self._sent[0].returned > TRANSIT_S or (room.idle and self._sent[0].seen_busy)):
             self._sent.popleft()
         if not self._sent:
             return 0
-        grown = max(room.used - self._sent[0][2], 0)  # an eviction meanwhile hides growth: counted as unseen
-        return max(sum(call[1] for call in self._sent) - grown, 0)
+        grown = max(room.used - self._sent[0].used_before, 0)  # an eviction meanwhile hides growth: counted unseen
+        return max(sum(call.kv_bytes for call in self._sent) - grown, 0)
 
     def close(self) -> None:
         self._client.close()
