@@ -59,6 +59,15 @@ def _controller(l1: Any) -> Any:
     return controller
 
 
+def _install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`eviction.install`, undone after the test (LMCache's classes as they were)."""
+    cls = eviction_controller.L1EvictionController
+    for owner, name in ((cls, "__init__"), (cls, "eviction_loop"), (cls, "report_status"),
+                        (L1Manager, "reserve_write")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    assert eviction.install()
+
+
 def test_l1_eviction_runs_when_l1_fills_not_on_the_next_second(monkeypatch: pytest.MonkeyPatch) -> None:
     cls = eviction_controller.L1EvictionController
     watermark = EvictionConfig(eviction_policy="LRU").trigger_watermark
@@ -74,9 +83,8 @@ def test_l1_eviction_runs_when_l1_fills_not_on_the_next_second(monkeypatch: pyte
         controller.stop()
     assert shipped >= 0.5, f"LMCache's own loop evicted after {shipped:.3f} s: the control does not hold"
 
-    monkeypatch.setattr(cls, "__init__", cls.__init__)  # undone after the test
-    monkeypatch.setattr(cls, "eviction_loop", cls.eviction_loop)
-    assert eviction.install() and eviction.install()  # idempotent
+    _install(monkeypatch)
+    assert eviction.install()  # idempotent
     l1 = _l1()
     controller = _controller(l1)
     try:
@@ -99,10 +107,7 @@ def test_a_full_l1_with_nothing_evictable_is_not_scanned_at_every_write(monkeypa
     """Chunks still being written (staged: write-locked, like chunks waiting for a slow L2 tier) cannot be evicted;
     a round that finds nothing to evict makes the next wait EMPTY_ROUND_GAP_S, so writes arriving every 10 ms
     cost a round (a scan of L1 and LMCache's log line) every 0.1 s, not every 20 ms."""
-    cls = eviction_controller.L1EvictionController
-    monkeypatch.setattr(cls, "__init__", cls.__init__)
-    monkeypatch.setattr(cls, "eviction_loop", cls.eviction_loop)
-    assert eviction.install()
+    _install(monkeypatch)
     l1 = _l1()
     layout = MemoryLayoutDesc(shapes=[torch.Size([OBJECT_BYTES])], dtypes=[torch.uint8])
     keys = [ObjectKey(chunk_hash=os.urandom(16), model_name="eviction-test", kv_rank=0) for _ in range(14)]
@@ -120,3 +125,72 @@ def test_a_full_l1_with_nothing_evictable_is_not_scanned_at_every_write(monkeypa
         controller.stop()
     assert _usage(l1) == 14 / 16  # nothing was evictable
     assert 3 <= len(rounds) <= 1.0 / eviction.EMPTY_ROUND_GAP_S + 2, len(rounds)
+
+
+def _keys(count: int) -> list[Any]:
+    return [ObjectKey(chunk_hash=os.urandom(16), model_name="eviction-test", kv_rank=0) for _ in range(count)]
+
+
+def _reserve(l1: Any, keys: list[Any]) -> list[Any]:
+    """Reserve ``keys`` (1 MiB each); the errors L1 answered, one per key."""
+    layout = MemoryLayoutDesc(shapes=[torch.Size([OBJECT_BYTES])], dtypes=[torch.uint8])
+    return [error for error, _ in l1.reserve_write(keys, [False] * len(keys), layout, tag="test").values()]
+
+
+def test_a_reservation_that_would_not_fit_evicts_first_in_the_reserving_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eviction thread is never started here: only the reservation itself can make room. Control: LMCache's
+    L1 as it ships refuses the same reservation (OUT_OF_MEMORY: the server drops that store)."""
+    from lmcache.v1.distributed.error import L1Error
+
+    def fill_and_reserve() -> tuple[Any, list[Any], list[Any]]:
+        l1 = _l1()
+        eviction_controller.L1EvictionController(l1, EvictionConfig(eviction_policy="LRU"))  # never started
+        batches = [_write(l1, 5) for _ in range(3)]  # 15 of 16 MiB, resident and unlocked: evictable
+        return l1, batches, _reserve(l1, _keys(4))
+
+    l1, _, errors = fill_and_reserve()
+    l1.close()
+    assert set(errors) == {L1Error.OUT_OF_MEMORY}, "control: LMCache's L1 took 4 MiB more into 1 MiB of room"
+
+    _install(monkeypatch)
+    l1, batches, errors = fill_and_reserve()
+    try:
+        assert set(errors) == {L1Error.SUCCESS}
+        gone = [[key for key in batch if l1.get_object_state(key) is None] for batch in batches]
+        # LRU: only the oldest batch lost objects, as many as the reservation needed (15 + 4 - 16), no more
+        assert [len(g) for g in gone] == [3, 0, 0], gone
+    finally:
+        l1.close()
+
+
+def test_what_cannot_be_evicted_is_reported_and_a_reservation_past_it_still_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged (being written) and read (being loaded, or written to the L2 tier) objects cannot be evicted: a
+    reservation past them fails at once (no wait, no hang), and the controller's status says how many bytes they
+    hold, which is what warm's pacing subtracts from L1's size, and how many bytes it reserved in all (what of a
+    writer's stores reached it)."""
+    from lmcache.v1.distributed.error import L1Error
+
+    _install(monkeypatch)
+    l1 = _l1()
+    controller = eviction_controller.L1EvictionController(l1, EvictionConfig(eviction_policy="LRU"))
+    assert controller.report_status()["prefixshare_unevictable_bytes"] == 0
+    staged = _keys(10)
+    assert set(_reserve(l1, staged)) == {L1Error.SUCCESS}  # staged, never admitted
+    read = _write(l1, 4)
+    l1.reserve_read(read[:3])
+    status = controller.report_status()
+    assert status["prefixshare_unevictable_bytes"] == 13 * OBJECT_BYTES
+    assert status["prefixshare_reserved_bytes_total"] == 14 * OBJECT_BYTES  # what reached L1: staged or written
+    t0 = time.monotonic()
+    assert set(_reserve(l1, _keys(4))) == {L1Error.OUT_OF_MEMORY}  # 1 MiB was evictable, 2 free: 4 do not fit
+    assert time.monotonic() - t0 < 0.5
+    assert l1.get_object_state(read[3]) is None  # the one unlocked object went, in the attempt
+    assert all(l1.get_object_state(key) is not None for key in read[:3])
+    l1.finish_read(read[:3])
+    l1.finish_write(staged, tag="test")
+    assert controller.report_status()["prefixshare_unevictable_bytes"] == 0
+    assert set(_reserve(l1, _keys(4))) == {L1Error.SUCCESS}
+    assert controller.report_status()["prefixshare_reserved_bytes_total"] == 18 * OBJECT_BYTES  # the refused: none
+    l1.close()

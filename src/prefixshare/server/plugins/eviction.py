@@ -12,6 +12,14 @@ takes a write or releases a read (a store reserved or finished, a chunk's copy t
 when it becomes evictable), at most every :data:`MIN_GAP_S` (:data:`EMPTY_ROUND_GAP_S` after a round that found
 nothing evictable), and still once a second when nothing happens. A wake with L1 under its watermark costs one
 read of its usage and nothing else.
+
+Before L1 reserves memory (a store from an engine, a load from the L2 tier), if the reservation would not fit,
+the reserving thread runs an eviction round itself, with the ratio that makes it fit (at least LMCache's): a
+reservation fails only when what L1 holds cannot be evicted (staged, read, or waiting for its L2 write), not
+because the eviction thread had not run yet. The controller's ``/status`` entry reports those unevictable bytes
+(``prefixshare_unevictable_bytes``; the room a writer has is L1's size less them) and the bytes L1 has reserved
+since it started (``prefixshare_reserved_bytes_total``; what of a writer's stores has reached the server), which
+warm's pacing reads (:mod:`prefixshare.warm._room`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ IDLE_S = 1.0
 #: after a round that found nothing evictable (every chunk still waiting for its L2 write), the next one waits
 #: this long at least: a store slower than its writers would otherwise log and scan L1 at every write
 EMPTY_ROUND_GAP_S = 0.1
+#: eviction rounds a reservation that would not fit may run before it is tried anyway
+MAX_RESERVE_ROUNDS = 3
 
 #: L1 events after which eviction may have work: room taken, or a chunk no longer held by a reader
 _WAKE_ON = ("on_l1_keys_reserved_write", "on_l1_keys_write_finished", "on_l1_keys_read_finished",
@@ -52,6 +62,21 @@ def _listener_class(base: type) -> type:
     return type("PrefixShareEvictionWake", (base,), namespace)
 
 
+def _round(ctrl: Any, usage: float, ratio: float, lmcache_log: Any, why: str) -> int:
+    """One eviction round of LMCache's policy (``ratio`` of L1's keys, those not locked), serialized with any
+    other; the number of keys it evicted."""
+    config = ctrl._eviction_config
+    with ctrl._prefixshare_round:
+        if lmcache_log is not None:  # LMCache's own line for each round (operators and our tests count them)
+            lmcache_log.info("L1 memory usage %.2f %s; triggering eviction.", usage, why)
+        actions = ctrl._eviction_policy.get_eviction_actions(
+            ratio, key_eligible_filter=ctrl._l1_manager.is_key_evictable)
+        for action in actions:
+            ctrl.execute_eviction_action(action)
+    ctrl._publish_triggered(usage, config.trigger_watermark)
+    return sum(len(getattr(action, "keys", ())) for action in actions)
+
+
 def _loop(original: Callable[[Any], None], lmcache_log: Any) -> Callable[[Any], None]:
     def eviction_loop(self: Any) -> None:
         """LMCache's L1 eviction loop, checking when woken (see the module) rather than each second."""
@@ -73,26 +98,102 @@ def _loop(original: Callable[[Any], None], lmcache_log: Any) -> Callable[[Any], 
                 if not woken:  # LMCache's once-a-second tick event, not one per write
                     self._publish_skipped(usage, config.trigger_watermark)
                 continue
-            if lmcache_log is not None:  # LMCache's own line for each round (operators and our tests count them)
-                lmcache_log.info("L1 memory usage %.2f above watermark %.2f; triggering eviction.", usage,
-                                 config.trigger_watermark)
-            actions = self._eviction_policy.get_eviction_actions(
-                config.eviction_ratio, key_eligible_filter=self._l1_manager.is_key_evictable)
-            for action in actions:
-                self.execute_eviction_action(action)
-            self._publish_triggered(usage, config.trigger_watermark)
-            evicted = sum(len(getattr(action, "keys", ())) for action in actions)
+            evicted = _round(self, usage, config.eviction_ratio, lmcache_log,
+                             f"above watermark {config.trigger_watermark:.2f}")
             self._stop_flag.wait(MIN_GAP_S if evicted else EMPTY_ROUND_GAP_S)
 
     eviction_loop.prefixshare_wakes = True  # type: ignore[attr-defined]
     return eviction_loop
 
 
+def _layout_bytes(layout_desc: Any) -> int:
+    """Bytes of one object of ``layout_desc`` (LMCache's MemoryLayoutDesc: shapes and dtypes); 0 when unknown."""
+    try:
+        return sum(int(shape.numel()) * dtype.itemsize for shape, dtype in zip(layout_desc.shapes, layout_desc.dtypes))
+    except (AttributeError, TypeError):
+        return 0
+
+
+def _make_room(ctrl: Any, need: int, lmcache_log: Any) -> None:
+    """Evict (LMCache's policy, unlocked keys only) until ``need`` more bytes fit in the controller's L1, in at
+    most :data:`MAX_RESERVE_ROUNDS` rounds; a round that evicts nothing ends it (what is left is locked)."""
+    config = ctrl._eviction_config
+    for _ in range(MAX_RESERVE_ROUNDS):
+        used, total = ctrl._l1_manager.get_memory_usage()
+        if used + need <= total or used <= 0:
+            return
+        # the policy's ratio counts keys: the share of what L1 holds that frees ``need``, LMCache's ratio at least
+        ratio = min(max(config.eviction_ratio, (used + need - total) / used * 1.05), 1.0)
+        if not _round(ctrl, used / total, ratio, lmcache_log, f"cannot take {need} more bytes"):
+            return
+
+
+def _unevictable_bytes(l1: Any) -> int:
+    """Bytes L1 holds that no eviction can free now: staged (being written) and read (a load, or the L2 tier's
+    write of it) objects."""
+    staged = int(getattr(l1, "_staging_bytes", 0) or 0)
+    read = 0
+    for entry in list(l1._objects.values()):
+        if entry.read_lock.is_locked():
+            read += entry.memory_obj.get_size()
+    return staged + read
+
+
+class _Reserved:
+    """Bytes L1 has reserved since it was built (a counter, thread-safe): a writer that knows how much it sent
+    reads from it how much of that has reached the server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.total += n
+
+
+def _reserve_write(original: Callable[..., Any]) -> Callable[..., Any]:
+    def reserve_write(self: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        """LMCache's ``reserve_write``, after an eviction round when the reservation would not fit; what it
+        reserved is counted."""
+        make_room = getattr(self, "_prefixshare_make_room", None)
+        if make_room is None or not keys:
+            return original(self, keys, *args, **kwargs)
+        per_key = _layout_bytes(kwargs.get("layout_desc", args[1] if len(args) > 1 else None))
+        if per_key:
+            make_room(per_key * len(keys))
+        result = original(self, keys, *args, **kwargs)
+        reserved: _Reserved | None = getattr(self, "_prefixshare_reserved", None)
+        if reserved is not None and isinstance(result, dict):
+            reserved.add(per_key * sum(1 for value in result.values() if value[1] is not None))
+        return result
+
+    reserve_write.prefixshare_makes_room = True  # type: ignore[attr-defined]
+    return reserve_write
+
+
+def _report_status(original: Callable[[Any], dict]) -> Callable[[Any], dict]:
+    def report_status(self: Any) -> dict:
+        status = original(self)
+        l1 = getattr(self, "_l1_manager", None)
+        if hasattr(self, "_prefixshare_wake") and hasattr(l1, "_prefixshare_reserved"):
+            try:
+                status["prefixshare_unevictable_bytes"] = _unevictable_bytes(l1)
+            except (AttributeError, TypeError):  # another LMCache's L1: the fields are left out, never made up
+                return status
+            status["prefixshare_reserved_bytes_total"] = l1._prefixshare_reserved.total
+        return status
+
+    return report_status
+
+
 def install() -> bool:
-    """Make LMCache's L1 eviction controllers built from now on wake on L1's events; True when it did (or had).
-    An LMCache without that controller, or whose controller lacks what the loop uses, keeps its own loop."""
+    """Make LMCache's L1 eviction controllers built from now on wake on L1's events, and their L1 evict before a
+    reservation that would not fit; True when it did (or had). An LMCache without that controller, or whose
+    controller lacks what the loop uses, keeps its own loop and reservations."""
     try:
         from lmcache.v1.distributed.internal_api import L1ManagerListener
+        from lmcache.v1.distributed.l1_manager import L1Manager
         from lmcache.v1.distributed.storage_controllers import eviction_controller
     except ImportError:
         return False
@@ -104,12 +205,22 @@ def install() -> bool:
         return True
     original_init = cls.__init__
     listener = _listener_class(L1ManagerListener)
+    lmcache_log = getattr(eviction_controller, "logger", None)
 
     def __init__(self: Any, l1_manager: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         original_init(self, l1_manager, *args, **kwargs)
         self._prefixshare_wake = threading.Event()
+        self._prefixshare_round = threading.Lock()
         l1_manager.register_listener(listener(self._prefixshare_wake))
+        if all(hasattr(self, n) for n in _NEEDS):
+            l1_manager._prefixshare_make_room = lambda need: _make_room(self, need, lmcache_log)
+            l1_manager._prefixshare_reserved = _Reserved()
 
     cls.__init__ = __init__
-    cls.eviction_loop = _loop(original_loop, getattr(eviction_controller, "logger", None))
+    cls.eviction_loop = _loop(original_loop, lmcache_log)
+    if hasattr(cls, "report_status"):
+        cls.report_status = _report_status(cls.report_status)
+    reserve = getattr(L1Manager, "reserve_write", None)
+    if reserve is not None and not getattr(reserve, "prefixshare_makes_room", False):
+        L1Manager.reserve_write = _reserve_write(reserve)
     return True

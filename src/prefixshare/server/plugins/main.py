@@ -14,9 +14,10 @@ from the engines' cores beside it (``benchmarks/threads.py``: run ``20261207T055
 committed; ``20261207T060105Z-a7c226`` after, ``docs/benchmarks/threads.json``: about 48 wakeups and 12 ms a
 second).
 
-Its L1 eviction checks L1's usage when L1 takes a write or releases a read, not only once a second
-(:mod:`prefixshare.server.plugins.eviction`): a full L1 takes new KV as fast as it can evict, not at a fifth of
-its size per second.
+Its L1 eviction checks L1's usage when L1 takes a write or releases a read, not only once a second, and runs
+before a reservation that would not fit (:mod:`prefixshare.server.plugins.eviction`): a full L1 takes new KV as
+fast as it can evict, not at a fifth of its size per second, and its ``/status`` says how much of it cannot be
+evicted.
 """
 
 from __future__ import annotations
