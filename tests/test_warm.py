@@ -518,6 +518,65 @@ def test_room_waits_only_when_the_server_will_free_memory(used: int, pending: in
     room.close()
 
 
+@pytest.mark.parametrize(("unevictable", "pending", "sent", "waits"),
+                         [(10, 0, 2, False), (90, 0, 1, False), (90, 5, 1, True)])
+def test_a_server_that_reports_its_unevictable_bytes_is_paced_to_them(unevictable: int, pending: int, sent: int,
+                                                                       waits: bool) -> None:
+    """prefixshare's server evicts before a reservation that would not fit, so its room is its size less what it
+    cannot evict (``prefixshare_unevictable_bytes``), not its free bytes: at 90 % used with 10 unevictable, two
+    documents of 40 go at once where LMCache's reading (5 free) would have sent one and waited. Held by chunks
+    the L2 tier is still writing (pending), warm waits for them; held by nothing that will end, it does not."""
+    import time
+
+    import httpx
+
+    from prefixshare._log import get_logger
+    from prefixshare.warm._room import ServerRoom
+
+    def status(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"storage_manager": {
+            "l1_usage": [90, 100], "l1_manager": {"staging_object_count": 0},
+            "store_controller": {"pending_keys_count": pending, "in_flight_task_count": 0},
+            "l1_eviction_controller": {"trigger_watermark": 0.8, "prefixshare_unevictable_bytes": unevictable}}})
+
+    room = ServerRoom("http://server", log=get_logger("test"), transport=httpx.MockTransport(status))
+    t0 = time.monotonic()
+    assert room.fit([40, 40, 10], timeout_s=0.3) == sent
+    assert (time.monotonic() - t0 >= 0.3) is waits
+    room.close()
+
+
+def test_a_call_whose_kv_the_server_reserved_is_no_longer_in_transit() -> None:
+    """prefixshare's server counts the bytes it reserved: an engine call's KV is in transit only until that count
+    grew by as much, whether or not the server is still busy writing it to its store."""
+    import httpx
+
+    from prefixshare._log import get_logger
+    from prefixshare.warm import _room
+    from prefixshare.warm._room import ServerRoom
+
+    server = {"reserved": 1000, "unevictable": 10, "pending": 0}
+
+    def status(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"storage_manager": {
+            "l1_usage": [90, 100], "l1_manager": {"staging_object_count": 0},
+            "store_controller": {"pending_keys_count": server["pending"], "in_flight_task_count": 0},
+            "l1_eviction_controller": {"trigger_watermark": 0.8, "prefixshare_unevictable_bytes": server["unevictable"],
+                                       "prefixshare_reserved_bytes_total": server["reserved"]}}})
+
+    room = ServerRoom("http://server", log=get_logger("test"), transport=httpx.MockTransport(status))
+    assert room.fit([40, 40]) == 2  # 95 less 10
+    room.sent(80)
+    server.update(reserved=1050, unevictable=60, pending=8)  # 50 of the 80 reached the server, still busy
+    assert room._unseen(room.read()) == 30
+    assert room.fit([10, 10], timeout_s=0.05) == 1  # 95 - 60 - 30 = 5 free: one (at least one), after waiting
+    server.update(reserved=1080, unevictable=70)  # all of it reserved; the server still writes 70 to its store
+    before = room.paced_s
+    assert room.fit([10, 10]) == 2 and room.paced_s - before < _room.TRANSIT_S / 2  # 95 - 70 = 25
+    assert room._unseen(room.read()) == 0
+    room.close()
+
+
 def test_a_call_the_server_was_busy_with_and_is_idle_after_has_landed() -> None:
     """An engine call's KV counts as taken until the server's usage shows it, for up to TRANSIT_S; a server that
     evicts as it fills never shows it. Once the server was seen busy after the call and is idle again, the call's

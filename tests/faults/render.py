@@ -137,19 +137,19 @@ Faults we could not make safe, or bounds we could only measure:
   `prefixshare server start`) probe every L2 tier and refuse to start over an unreachable one, naming it: a
   misconfigured address is loud. A tier that goes down later only costs misses. With a `launcher` (the server
   in another network or mount namespace) the probe is skipped: our view of the network is not the server's.
-* **An L1 smaller than one stored request drops that store.** LMCache allocates a request's chunks in one
-  batch and evicts only above 80 % use (prefixshare's server checks whenever L1 takes a write, LMCache alone once
-  a second): with `l1.size_gb` 0.004 (16 chunk buffers) and
-  10-chunk documents, every document after the first was refused ("Failed to batched allocate ... short by
-  4 blocks" in the server log) and never reached L2, although nothing failed for the engine. Size L1 for
-  several of the largest prefixes (`prefixshare plan` does). A burst of stores larger than L1's free space is
-  dropped the same way, and a load finds no room while L1 is over its watermark (the lookup misses, the engine
-  recomputes). `warm` paces its engine calls to the server's free memory and prefills again what verification
-  still finds missing: a corpus 3x a 16 MiB L1 lost 32 of 48 documents unpaced and none paced
+* **A store L1 has no room for is dropped.** LMCache allocates a request's chunks in one batch and fails the
+  batch when L1 cannot hold it ("Failed to batched allocate ... short by N blocks" in the server log); the chunk
+  never reaches L2, and nothing fails for the engine. LMCache alone evicts once a second, above 80 % use: with
+  `l1.size_gb` 0.004 (16 chunk buffers) and 10-chunk documents, every document after the first was refused.
+  prefixshare's server evicts before a reservation that would not fit (and whenever L1 takes a write), so what
+  drops a store is L1 full of chunks nothing can evict: staged, being loaded, or waiting for their L2 write.
+  Size L1 for several of the largest prefixes (`prefixshare plan` does), and for the stores that arrive while
+  the L2 tier writes. `warm` paces its engine calls to the room the server reports (L1 less what it cannot
+  evict, and KV not yet reserved) and prefills again what verification still finds missing: a corpus 3x a
+  16 MiB L1 behind a store writing 8 MiB/s lost 29 of 48 documents unpaced and none paced
   (`test_a_corpus_larger_than_the_servers_memory_is_warmed_whole`).
-  Serving replicas are not paced: once L1 is full, the server takes new KV only as fast as it can evict, and
-  only chunks its L2 tier has written can go (with LMCache's own once-a-second check, `l1.eviction_ratio` of
-  L1 per second at most).
+  Serving replicas are not paced: once L1 is full, the server takes new KV only as fast as its L2 tier writes
+  chunks (with LMCache's own once-a-second check, `l1.eviction_ratio` of L1 per second at most).
 * **Store writes that fail are silent to the engine.** When the fs tier is gone or full, LMCache logs the
   failed writes in the server log; the engine only sees misses later. `prefixshare doctor` and
   `prefixshare inspect` show what the store actually holds.

@@ -2,25 +2,29 @@
 
 Every store passes through the server's memory: the engine's KV lands in L1, and the server writes it to its L2
 tiers from there. LMCache's server drops a store it cannot reserve L1 memory for (the allocation fails; the
-server logs a warning, the engine hears nothing). Its L1 eviction runs only above its trigger watermark (0.8 by
-default), and only on chunks whose L2 write has finished: LMCache checks once a second, prefixshare's server
-whenever L1 takes a write (:mod:`prefixshare.server.plugins.eviction`). So a batch of documents whose KV is more
-than L1's free space at that moment is partly dropped, however fast the L2 tier is: 59 of 200 documents of a
-corpus were lost with a 0.25 GB L1 (400 MB of KV per 16k-token batch) before warm paced its batches.
+server logs a warning, the engine hears nothing). LMCache's own L1 eviction runs once a second, only above its
+trigger watermark (0.8 by default). prefixshare's server evicts when L1 takes a write and, before a reservation
+that would not fit, in the reserving thread (:mod:`prefixshare.server.plugins.eviction`); either evicts only
+chunks no one holds: not staged, not being read, and not waiting for their L2 write. So a batch of documents
+whose KV is more than the room at that moment is partly dropped: 59 of 200 documents of a corpus were lost with
+a 0.25 GB L1 (400 MB of KV per 16k-token batch) before warm paced its batches.
 
-warm reads the server's ``/status`` before each engine call and sends only the documents whose KV fits the free
-space (:meth:`ServerRoom.fit`); when not even the first fits, it waits for the eviction (or the L2 writes that
-make chunks evictable), within a bound. An engine call returns before its stores reach the server, so the KV of
-the calls of the last :data:`TRANSIT_S` that the server's usage does not show yet is counted as taken (until the
-server, seen busy after the call, is idle again: its stores landed).
+The room: with prefixshare's server, L1's size less the bytes it cannot evict (its ``/status`` reports them:
+``prefixshare_unevictable_bytes``); with LMCache's own, L1's free bytes. warm reads ``/status`` before each
+engine call and sends only the documents whose KV fits (:meth:`ServerRoom.fit`); when not even the first fits,
+it waits, within a bound, for what frees room: the L2 writes that make chunks evictable, or LMCache's eviction.
+An engine call returns before its stores reach the server, so the KV of the calls of the last :data:`TRANSIT_S`
+that has not reached the server yet is counted as taken: beyond the bytes the server reports it reserved since
+(``prefixshare_reserved_bytes_total``), or, from LMCache's own server, beyond its usage's growth, until the
+server, seen busy after the call, is idle again (its stores landed).
 :meth:`ServerRoom.settled` tells verification that the server has no store in progress, so a chunk still
-missing will not land and can be prefilled again. A load needs room in L1 too: right after a burst of stores has
-taken L1 over its watermark, a replica's lookup misses until the next eviction and recomputes.
+missing will not land and can be prefilled again. A load needs room in L1 too: with LMCache's own eviction,
+right after a burst of stores has taken L1 over its watermark, a replica's lookup misses until the next eviction
+and recomputes.
 
-The server's eviction bounds how fast anything can be stored once its memory is full. With LMCache's own loop
-that is a share of L1 (``l1.eviction_ratio``, 0.2 by default) per second: a 1 GB L1 took at most about 200 MB/s
-of new KV. prefixshare's server evicts when L1 crosses its watermark, so the bound is the rate at which its L2
-tier writes chunks (a chunk is evictable once written).
+What bounds how fast anything can be stored once L1 is full: with LMCache's own loop, a share of L1
+(``l1.eviction_ratio``, 0.2 by default) per second (a 1 GB L1 took at most about 200 MB/s of new KV); with
+prefixshare's server, the rate at which its L2 tier writes chunks (a chunk is evictable once written).
 """
 
 from __future__ import annotations
@@ -60,10 +64,20 @@ class Room:
     pending: int
     #: chunks being written into L1 (reserved, not yet admitted)
     staging: int
+    #: bytes of L1 no eviction can free now (staged, read, or waiting for the L2 write); None: the server does
+    #: not say (LMCache's own server, which evicts only once a second: its free bytes are the room)
+    unevictable: int | None = None
+    #: bytes L1 has reserved since the server started (``prefixshare_reserved_bytes_total``); None: not said
+    reserved: int | None = None
+
+    @property
+    def taken(self) -> int:
+        """The bytes of L1 a store cannot have: those the server cannot evict, or, if it does not say, its usage."""
+        return self.used if self.unevictable is None else self.unevictable
 
     @property
     def free(self) -> int:
-        return max(int(self.total * (1.0 - MARGIN)) - self.used, 0)
+        return max(int(self.total * (1.0 - MARGIN)) - self.taken, 0)
 
     @property
     def evicting(self) -> bool:
@@ -82,7 +96,8 @@ class _Call:
 
     returned: float  # monotonic time the call returned
     kv_bytes: int
-    used_before: int  # the server's usage read before the call
+    taken_before: int  # the server's taken bytes (Room.taken) read before the call
+    reserved_before: int | None  # the server's reserved bytes (Room.reserved) read before the call
     seen_busy: bool = False  # the server was seen with a store in progress since
 
 
@@ -98,10 +113,13 @@ def parse_room(status: dict[str, Any]) -> Room | None:
     if not (isinstance(usage, list) and len(usage) == 2 and all(isinstance(v, int) for v in usage) and usage[1] > 0):
         return None
     watermark = evict.get("trigger_watermark", 0.8)
+    unevictable, reserved = evict.get("prefixshare_unevictable_bytes"), evict.get("prefixshare_reserved_bytes_total")
     return Room(used=usage[0], total=usage[1],
                 watermark=float(watermark) if isinstance(watermark, (int, float)) else 0.8,
                 pending=int(store.get("pending_keys_count") or 0) + int(store.get("in_flight_task_count") or 0),
-                staging=int(l1.get("staging_object_count") or 0))
+                staging=int(l1.get("staging_object_count") or 0),
+                unevictable=unevictable if isinstance(unevictable, int) and unevictable >= 0 else None,
+                reserved=reserved if isinstance(reserved, int) and reserved >= 0 else None)
 
 
 class ServerRoom:
@@ -116,16 +134,18 @@ class ServerRoom:
         self._client = http_client(self.http_url, STATUS_TIMEOUT_S, transport)
         #: engine calls not yet shown by the server's usage, maybe
         self._sent: collections.deque[_Call] = collections.deque()
-        self._last_used = 0
+        self._last_taken = 0
+        self._last_reserved: int | None = None
 
     def sent(self, kv_bytes: int) -> None:
         """An engine call of ``kv_bytes`` of KV has just returned (its stores are on their way)."""
-        self._sent.append(_Call(time.monotonic(), kv_bytes, self._last_used))
+        self._sent.append(_Call(time.monotonic(), kv_bytes, self._last_taken, self._last_reserved))
 
     def _unseen(self, room: Room) -> int:
-        """KV of the engine calls of the last TRANSIT_S beyond what the server's usage grew by since. A call whose
-        stores the server was seen busy with, and is idle again after, has landed: it is no longer counted (an
-        eviction as prompt as prefixshare's server's hides its growth; it would otherwise count for TRANSIT_S)."""
+        """KV of the engine calls of the last TRANSIT_S that has not reached the server: beyond the bytes it
+        reserved since (prefixshare's server says), or beyond its taken bytes' growth. A call whose stores the
+        server was seen busy with, and is idle again after, has landed: it is no longer counted (an eviction as
+        prompt as prefixshare's server's, or an L2 write that makes chunks evictable, hides the growth)."""
         now = time.monotonic()
         for call in self._sent:
             call.seen_busy = call.seen_busy or not room.idle
@@ -133,7 +153,14 @@ class ServerRoom:
             self._sent.popleft()
         if not self._sent:
             return 0
-        grown = max(room.used - self._sent[0].used_before, 0)  # an eviction meanwhile hides growth: counted unseen
+        oldest = self._sent[0]
+        if room.reserved is not None and oldest.reserved_before is not None:
+            # the server counts what it reserved: the calls' KV beyond what reached it since the oldest was sent
+            unseen = max(sum(call.kv_bytes for call in self._sent) - (room.reserved - oldest.reserved_before), 0)
+            if not unseen:
+                self._sent.clear()
+            return unseen
+        grown = max(room.taken - oldest.taken_before, 0)  # an eviction meanwhile hides growth: unseen
         return max(sum(call.kv_bytes for call in self._sent) - grown, 0)
 
     def close(self) -> None:
@@ -158,10 +185,9 @@ class ServerRoom:
 
     def fit(self, sizes: list[int], timeout_s: float = WAIT_TIMEOUT_S) -> int:
         """How many of the leading ``sizes`` (KV bytes of the next documents) to send now: as many as the
-        server's free memory holds, at least one. When not even the first fits and the server will free memory
-        (it is over its eviction watermark, or stores on their way may take it there), wait for it, up to
-        ``timeout_s``: a slow L2 tier holds its chunks unevictable until written, so this is also where warm
-        waits for the store."""
+        server's room holds, at least one. When not even the first fits and room will be freed (by L2 writes in
+        progress, or LMCache's eviction once over its watermark), wait for it, up to ``timeout_s``: a slow L2 tier
+        holds its chunks unevictable until written, so this is also where warm waits for the store."""
         if not sizes:
             return 0
         deadline = time.monotonic() + timeout_s
@@ -172,21 +198,18 @@ class ServerRoom:
                 room = self.read()
                 if room is None:
                     return len(sizes)
-                self._last_used = room.used
+                self._last_taken, self._last_reserved = room.taken, room.reserved
                 unseen = self._unseen(room)
                 n = _leading(sizes, room.free - unseen)
                 if n:
                     return n
                 left = deadline - time.monotonic()
-                # memory frees only by eviction, over the watermark (of chunks whose L2 write is done): wait for
-                # it, or for stores on their way that may take usage over the watermark
-                if left <= 0 or not (room.evicting or room.staging or unseen):
+                if left <= 0 or not (unseen or _will_free(room)):
                     # nothing will free memory (or not in time): send one document; verification tells
-                    if sizes[0] > room.total - room.used:
+                    if sizes[0] > room.total - room.taken:
                         self.log.warning("warm.no_room", kv_bytes=sizes[0], used=room.used, total=room.total,
-                                         waited_s=round(time.monotonic() - started, 2),
-                                         hint="raise the policy's l1.size_gb: a document's KV should be well "
-                                              f"under {1 - room.watermark:.0%} of it (the share the server frees)")
+                                         unevictable=room.unevictable, waited_s=round(time.monotonic() - started, 2),
+                                         hint=_no_room_hint(room))
                     return 1
                 time.sleep(min(delay, left))
                 delay = min(delay * 1.5, POLL_MAX_S)
@@ -197,6 +220,22 @@ class ServerRoom:
         """Whether the server has no store in progress (None: it cannot say)."""
         room = self.read()
         return None if room is None else room.idle
+
+
+def _will_free(room: Room) -> bool:
+    """Whether waiting can give a store more room: chunks staged or waiting for their L2 write become evictable
+    once written; LMCache's own server frees memory only by its eviction, over its watermark."""
+    if room.unevictable is not None:
+        return not room.idle
+    return room.evicting or room.staging > 0
+
+
+def _no_room_hint(room: Room) -> str:
+    if room.unevictable is not None:
+        return ("raise the policy's l1.size_gb: the server's memory holds less than a document's KV beside the "
+                "chunks it is still writing to its store")
+    return (f"raise the policy's l1.size_gb: a document's KV should be well under {1 - room.watermark:.0%} of it "
+            "(the share the server frees)")
 
 
 def _leading(sizes: list[int], free: int) -> int:

@@ -278,7 +278,7 @@ def warm(
     (``verified=False``); one that could not be checked stays ``warmed``, ``verified=None``, with a reason
     starting "unverified:". Verification stops early when nothing lands and the server has no store in progress.
     ``pace``: before each engine call, send only the documents whose KV the server's memory (L1) has room for,
-    waiting (bounded) for its eviction when none fits; the server drops a store it has no memory for (see
+    waiting (bounded) for room when none fits; the server drops a store it has no memory for (see
     :mod:`prefixshare.warm._room`). A document longer than the context
     (``max_model_len - max(reserve_tokens, 1)``) raises :class:`DocumentTooLongError` before anything is
     warmed, unless ``split=True``.
