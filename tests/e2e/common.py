@@ -263,3 +263,54 @@ def corrupt_copy(store: Path, target: Path, sigma: float = 2.0, dtype: str = "fl
             data += rng.normal(0, sigma, size=data.shape).astype(np.float32)
             path.write_bytes(data.tobytes())
     return target
+
+
+#: the corpus past the server's memory: 48 documents of 4 chunks (1 MiB of the tiny model's KV each) through a
+#: 16 MiB server memory that evicts half of itself above 80 %, to a store that writes a chunk (256 KiB) in
+#: STORE_CHUNK_DELAY_S, 4 at a time (8 MiB/s): slower than the engine computes
+CORPUS_DOCS, CORPUS_WORDS, L1_MIB, STORE_CHUNK_DELAY_S = 48, 215, 16, 0.125
+
+
+def corpus_past_l1(work: Path, model: Path, engine_type: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One replica of ``engine_type`` (tests/helpers/warm_corpus.py) warms two corpora 3x the server's memory, the
+    first unpaced and without retries (the negative control: it must lose documents, and the server must log the
+    stores it dropped), the second as warm runs by default (every document stored and verified); then three of
+    the second's documents answer questions loaded from the store, like a cold model. Returns the helper's result."""
+    from prefixshare.bench._procs import throttled_store_spec
+    from prefixshare.model import document_text
+
+    store = work / f"store-corpus-{engine_type}"
+    store.mkdir(exist_ok=True)
+    slow = throttled_store_spec(str(store), store_chunk_delay_s=STORE_CHUNK_DELAY_S)
+    policy = Policy.build(chunk_size=CHUNK, l1={"size_gb": L1_MIB / 1024, "eviction_ratio": 0.5},
+                          server={"port": free_port(), "http_port": free_port(), "start_timeout_s": 120,
+                                  "extra_args": ["--l2-adapter", json.dumps(slow)]})
+
+    def corpus(name: str, seed: int) -> dict[str, str]:
+        return {f"{name}-{i}": document_text(CORPUS_WORDS, seed=seed + i) for i in range(CORPUS_DOCS)}
+
+    ask = ["paced-0", f"paced-{CORPUS_DOCS // 2}", f"paced-{CORPUS_DOCS - 1}"]
+    name = f"warm-corpus-{engine_type}"
+    with LMCacheServer(policy) as srv:
+        spec = {"model": str(model), "policy_file": str(write_policy_file(work / f"policy-{name}.yaml", srv.policy)),
+                "instance": f"{name}-{os.getpid()}", "engine_type": engine_type, "control": corpus("control", 500),
+                "corpus": corpus("paced", 700), "batch_tokens": 16384, "ask": ask,
+                "question": "What is the harbor called?", "max_tokens": 6}
+        out, _ = run_helper(work, name, TESTS / "helpers" / "warm_corpus.py", spec, env=env)
+        dropped = srv.log_path.read_text().count("Failed to batched allocate")
+    (work / f"{name}.result.json").write_text(json.dumps(out, indent=1))
+    control, paced = out["control"], out["paced"]
+    chunks = {d["chunks"] for d in control["documents"] + paced["documents"]}
+    assert chunks == {4}, chunks  # every document 1 MiB of KV: the corpus is 3x the server's memory
+    # the fault happened: the server dropped stores, and the control lost documents to it
+    assert dropped > 0 and control["totals"]["failed"] >= CORPUS_DOCS // 4, (dropped, control["totals"])
+    assert all(d["attempts"] == 1 for d in control["documents"]) and control["paced_seconds"] == 0
+    # warm as it runs by default: every document in the store
+    assert paced["ok"] and paced["totals"]["warmed"] == paced["totals"]["verified"] == CORPUS_DOCS, paced["totals"]
+    assert paced["paced_seconds"] > 0
+    # loaded from the store (SGLang counts storage hits apart), answered like a cold model
+    for answer in out["answers"]:
+        assert answer.get("storage_tokens", answer["cached"]) >= 4 * CHUNK, answer
+    assert out["tokens_loaded"] >= len(ask) * 4 * CHUNK
+    assert [a["token_ids"] for a in out["answers"]] == hf_greedy(model, [a["prompt"] for a in out["answers"]], 6)
+    return out

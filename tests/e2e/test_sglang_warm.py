@@ -10,6 +10,9 @@ SGLang runs with the test-only ``sgl_kernel`` stand-in from tests/shims.
 The MP server's lookup (what warm asks on stores without a directory) checks an SGLang warm too: keys under
 SGLang's registration; negative control: the chunk files deleted and the server's memory cleared between
 the prefill and the check fail it.
+
+A corpus 3x the server's memory, behind a store slower than the engine computes, is warmed whole by SGLang as by
+vLLM (warm paces its engine calls to the server's room), and lost in part unpaced (the negative control).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from e2e.common import (
     CHUNK,
     SHIM_ENV,
     cli_json,
+    corpus_past_l1,
     entry_script,
     policy_for,
     run_helper,
@@ -203,3 +207,10 @@ def test_the_servers_lookup_checks_an_sglang_warm(work: Path, model: Path, serve
     assert out["deleted_files"] == lost["chunks"] > 0 and out["clear_l1"]["status"] == "ok", out
     assert lost["status"] == "failed" and lost["verified"] is False and lost["verified_by"] == "server", lost
     assert f"holds 0 of the {lost['chunks']} objects" in lost["reason"]
+
+
+def test_a_corpus_larger_than_the_servers_memory_is_warmed_whole_by_sglang(work: Path, model: Path) -> None:
+    """As tests/e2e/test_warm_e2e.py's corpus test, with SGLang: unpaced and without retries the corpus loses
+    documents (the server logs the stores it dropped); warm as it runs by default stores and verifies all 48, and
+    three of them, SGLang's radix tree flushed, load from the store and answer like a cold model."""
+    corpus_past_l1(work, model, "sglang", env=SHIM_ENV)

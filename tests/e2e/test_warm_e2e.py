@@ -28,7 +28,15 @@ import typer
 from typer.testing import CliRunner
 
 from conftest import TESTS, free_port
-from e2e.common import cli_json, entry_script, hf_greedy, run_helper, write_documents, write_policy_file
+from e2e.common import (
+    cli_json,
+    corpus_past_l1,
+    entry_script,
+    hf_greedy,
+    run_helper,
+    write_documents,
+    write_policy_file,
+)
 from e2e.test_tiers import redis, tier_policy  # noqa: F401 - redis: a real redis-server on loopback (a fixture)
 from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
@@ -255,11 +263,6 @@ def test_warm_on_redis_is_checked_by_the_server_and_the_check_can_fail(
 
 # --- a corpus larger than the server's memory -----------------------------------------------------------------
 
-#: 48 documents of 4 chunks (1 MiB of the tiny model's KV each) through a 16 MiB server memory that evicts half of
-#: itself above 80 %, to a store that writes a chunk (256 KiB) in STORE_CHUNK_DELAY_S, 4 at a time (8 MiB/s)
-CORPUS_DOCS, CORPUS_WORDS, L1_MIB, STORE_CHUNK_DELAY_S = 48, 215, 16, 0.125
-
-
 def test_a_corpus_larger_than_the_servers_memory_is_warmed_whole(work: Path, model: Path) -> None:
     """The server drops a store it has no memory for, and only chunks its store has written can be evicted. With
     a store slower to write than the engine computes, unpaced and without retries (the negative control), a
@@ -267,38 +270,4 @@ def test_a_corpus_larger_than_the_servers_memory_is_warmed_whole(work: Path, mod
     server's memory has room for (waiting for the writes and the eviction), prefills again what verification
     still finds missing, and every document reaches the store; questions about three of them, this replica's
     prefix cache emptied, load their prefix from the store and answer like a cold model."""
-    from prefixshare.bench._procs import throttled_store_spec
-    from prefixshare.model import document_text
-
-    (work / "store-corpus").mkdir(exist_ok=True)
-    slow = throttled_store_spec(str(work / "store-corpus"), store_chunk_delay_s=STORE_CHUNK_DELAY_S)
-    policy = Policy.build(chunk_size=CHUNK, l1={"size_gb": L1_MIB / 1024, "eviction_ratio": 0.5},
-                          server={"port": free_port(), "http_port": free_port(), "start_timeout_s": 120,
-                                  "extra_args": ["--l2-adapter", json.dumps(slow)]})
-
-    def corpus(name: str, seed: int) -> dict[str, str]:
-        return {f"{name}-{i}": document_text(CORPUS_WORDS, seed=seed + i) for i in range(CORPUS_DOCS)}
-
-    ask = ["paced-0", f"paced-{CORPUS_DOCS // 2}", f"paced-{CORPUS_DOCS - 1}"]
-    with LMCacheServer(policy) as srv:
-        spec = {"model": str(model), "policy_file": str(write_policy_file(work / "policy-corpus.yaml", srv.policy)),
-                "instance": f"warm-corpus-{os.getpid()}", "control": corpus("control", 500),
-                "corpus": corpus("paced", 700), "batch_tokens": 16384, "ask": ask,
-                "question": "What is the harbor called?", "max_tokens": 6}
-        out, _ = run_helper(work, "warm-corpus", TESTS / "helpers" / "warm_corpus.py", spec)
-        dropped = srv.log_path.read_text().count("Failed to batched allocate")
-    (work / "warm-corpus.result.json").write_text(json.dumps(out, indent=1))
-    control, paced = out["control"], out["paced"]
-    chunks = {d["chunks"] for d in control["documents"] + paced["documents"]}
-    assert chunks == {4}, chunks  # every document 1 MiB of KV: the corpus is 3x the server's memory
-    # the fault happened: the server dropped stores, and the control lost documents to it
-    assert dropped > 0 and control["totals"]["failed"] >= CORPUS_DOCS // 4, (dropped, control["totals"])
-    assert all(d["attempts"] == 1 for d in control["documents"]) and control["paced_seconds"] == 0
-    # warm as it runs by default: every document in the store
-    assert paced["ok"] and paced["totals"]["warmed"] == paced["totals"]["verified"] == CORPUS_DOCS, paced["totals"]
-    assert paced["paced_seconds"] > 0
-    # loaded from the store, answered like a cold model
-    for answer in out["answers"]:
-        assert answer["cached"] >= 4 * CHUNK, answer
-    assert out["tokens_loaded"] >= len(ask) * 4 * CHUNK
-    assert [a["token_ids"] for a in out["answers"]] == hf_greedy(model, [a["prompt"] for a in out["answers"]], 6)
+    corpus_past_l1(work, model, "vllm")

@@ -1,11 +1,11 @@
-"""Test-only: a vLLM replica warms a corpus larger than the server's memory (L1), twice: first unpaced and without
-retries (the negative control: the server drops stores it has no memory for), then as warm does by default; then,
+"""Test-only: a vLLM (or SGLang) replica warms a corpus larger than the server's memory (L1), twice: first unpaced and
+without retries (the negative control: the server drops stores it has no memory for), then as warm does by default; then,
 its own prefix cache emptied and the server's memory back under its eviction watermark (a load needs room there
 too: over the watermark LMCache's lookup misses until its next eviction, up to a second), it asks one question
 about a few documents of the second corpus (loaded from the store). Prints one ``RESULT {json}`` line.
 
-Spec: {"model": DIR, "policy_file": PATH, "instance": STR, "control": {ID: TEXT}, "corpus": {ID: TEXT},
-       "batch_tokens": N, "ask": [ID...], "question": STR, "max_tokens": N}
+Spec: {"model": DIR, "policy_file": PATH, "instance": STR, "engine_type": "vllm"|"sglang", "control": {ID: TEXT},
+       "corpus": {ID: TEXT}, "batch_tokens": N, "ask": [ID...], "question": STR, "max_tokens": N}
 """
 
 from __future__ import annotations
@@ -22,36 +22,60 @@ set_engine_env()
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-
-    import vllm
+    kind = spec.get("engine_type", "vllm")
+    if kind == "sglang":
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
     from prefixshare import PrefixShare
-    from prefixshare.adapters.vllm import reset_vllm_prefix_cache
     from prefixshare.warm import prompt_for, warm
+    from prefixshare.warm._engines import engine_for
 
-    engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
-              "block_size": 32, "max_model_len": 2048, "seed": 0}
+    if kind == "sglang":  # the settings tests/helpers/sglang_replica.py runs SGLang's CPU engine with
+        engine = {"model_path": spec["model"], "device": "cpu", "attention_backend": "torch_native",
+                  "disable_cuda_graph": True, "page_size": 16, "dtype": "float32", "mem_fraction_static": 0.3,
+                  "max_total_tokens": 16384, "context_length": 2048, "log_level": "warning", "random_seed": 0}
+    else:
+        engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True,
+                  "distributed_executor_backend": "uni", "block_size": 32, "max_model_len": 2048, "seed": 0}
     ps = PrefixShare(spec["policy_file"], server=False, instance=spec["instance"])
-    llm = ps.attach(engine)
+    llm = ps.attach(engine, engine_type=kind)
     batch = int(spec["batch_tokens"])
     control = warm(ps, spec["control"], llm, pace=False, retries=0, strict=False, batch_tokens=batch)
     paced = warm(ps, spec["corpus"], llm, strict=False, batch_tokens=batch)
-    reset_vllm_prefix_cache(llm)
+    engine_for(ps, llm).reset_prefix_cache()
     waited = _until_under_watermark(ps.policy.server.http_url)
     before = ps.stats()["tokens_loaded"]
     answers = []
     for doc_id in spec["ask"]:
         prompt = prompt_for(ps, (doc_id, spec["corpus"][doc_id]), spec["question"])
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
-                                     extra_args={"kv_transfer_params": prompt.kv_transfer_params})
-        out = llm.generate([prompt.engine_input()], params, use_tqdm=False)[0]
-        answers.append({"doc": doc_id, "prompt": prompt.token_ids, "prefix_tokens": prompt.prefix_tokens,
-                        "cached": int(out.num_cached_tokens or 0), "token_ids": list(out.outputs[0].token_ids)})
+        answer = {"doc": doc_id, "prompt": prompt.token_ids, "prefix_tokens": prompt.prefix_tokens}
+        answer.update(_sglang(llm, prompt, spec) if kind == "sglang" else _vllm(llm, prompt, spec))
+        answers.append(answer)
     result = {"control": control.to_dict(), "paced": paced.to_dict(), "answers": answers, "waited_s": waited,
               "tokens_loaded": ps.stats()["tokens_loaded"] - before}
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
+    if kind == "sglang":
+        llm.shutdown()
     os._exit(0)
+
+
+def _vllm(llm, prompt, spec: dict) -> dict:  # noqa: ANN001
+    import vllm
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                                 extra_args={"kv_transfer_params": prompt.kv_transfer_params})
+    out = llm.generate([prompt.engine_input()], params, use_tqdm=False)[0]
+    return {"cached": int(out.num_cached_tokens or 0), "token_ids": list(out.outputs[0].token_ids)}
+
+
+def _sglang(engine, prompt, spec: dict) -> dict:  # noqa: ANN001
+    out = engine.generate(**prompt.sglang_kwargs(), sampling_params={"temperature": 0.0, "ignore_eos": True,
+                                                                     "max_new_tokens": spec["max_tokens"]})
+    meta = out["meta_info"]
+    details = meta.get("cached_tokens_details") or {}
+    return {"cached": int(meta.get("cached_tokens") or 0), "storage_tokens": int(details.get("storage") or 0),
+            "token_ids": list(out["output_ids"])}
 
 
 def _until_under_watermark(url: str, timeout_s: float = 5.0) -> float:
