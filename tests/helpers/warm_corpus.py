@@ -1,8 +1,9 @@
-"""Test-only: a vLLM (or SGLang) replica warms a corpus larger than the server's memory (L1), twice: first unpaced and
-without retries (the negative control: the server drops stores it has no memory for), then as warm does by default; then,
-its own prefix cache emptied and the server's memory back under its eviction watermark (a load needs room there
-too: over the watermark LMCache's lookup misses until its next eviction, up to a second), it asks one question
-about a few documents of the second corpus (loaded from the store). Prints one ``RESULT {json}`` line.
+"""Test-only: a vLLM (or SGLang) replica warms a corpus larger than the server's memory (L1), twice: first
+unpaced and without retries (the negative control: the server drops stores it has no memory for), then as warm
+does by default; then, its own prefix cache emptied and the server's memory back under its eviction watermark (a
+load needs room there too: over the watermark LMCache's lookup misses until its next eviction, up to a second),
+it asks one question about a few documents of the second corpus (loaded from the store). Prints one
+``RESULT {json}`` line.
 
 Spec: {"model": DIR, "policy_file": PATH, "instance": STR, "engine_type": "vllm"|"sglang", "control": {ID: TEXT},
        "corpus": {ID: TEXT}, "batch_tokens": N, "ask": [ID...], "question": STR, "max_tokens": N}
