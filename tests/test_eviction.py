@@ -29,13 +29,17 @@ def _l1() -> Any:
                                                                          shm_name="")))
 
 
-def _write(l1: Any, count: int) -> list[Any]:
-    """``count`` objects of 1 MiB written into ``l1`` (reserved, then admitted: resident and evictable)."""
+def _write(l1: Any, count: int, stored: bool = True) -> list[Any]:
+    """``count`` objects of 1 MiB written into ``l1`` (reserved, then admitted: resident), and, if ``stored``,
+    read and released as the L2 tier's store does when it writes them out (then evictable)."""
     layout = MemoryLayoutDesc(shapes=[torch.Size([OBJECT_BYTES])], dtypes=[torch.uint8])
     keys = [ObjectKey(chunk_hash=os.urandom(16), model_name="eviction-test", kv_rank=0) for _ in range(count)]
     reserved = l1.reserve_write(keys, [False] * count, layout, tag="test")
     assert all(obj is not None for _, obj in reserved.values()), reserved
     l1.finish_write(keys, tag="test")
+    if stored:
+        l1.reserve_read(keys)
+        l1.finish_read(keys)
     return keys
 
 
@@ -189,8 +193,47 @@ def test_what_cannot_be_evicted_is_reported_and_a_reservation_past_it_still_fail
     assert l1.get_object_state(read[3]) is None  # the one unlocked object went, in the attempt
     assert all(l1.get_object_state(key) is not None for key in read[:3])
     l1.finish_read(read[:3])
-    l1.finish_write(staged, tag="test")
+    l1.finish_write(staged, tag="test")  # admitted: held until the L2 tier's store has read them (FRESH_S)
+    assert controller.report_status()["prefixshare_unevictable_bytes"] == 10 * OBJECT_BYTES
+    l1.reserve_read(staged)  # ... which it does, and releases them
+    l1.finish_read(staged)
     assert controller.report_status()["prefixshare_unevictable_bytes"] == 0
     assert set(_reserve(l1, _keys(4))) == {L1Error.SUCCESS}
     assert controller.report_status()["prefixshare_reserved_bytes_total"] == 18 * OBJECT_BYTES  # the refused: none
+    l1.close()
+
+
+def test_a_chunk_the_l2_tier_has_not_read_yet_is_not_evicted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk just written waits for the L2 tier's store to read it out (unlocked, in LMCache's queue): evicted
+    then, it is lost from every tier. It is held until that read begins, or FRESH_S. Control: without the hold
+    (the same reservation, the same L1) LMCache's policy takes the unread chunks, the oldest."""
+    from lmcache.v1.distributed.error import L1Error
+
+    _install(monkeypatch)
+    monkeypatch.setattr(eviction, "FRESH_S", 0.5)
+
+    def fill() -> tuple[Any, Any, list[Any], list[Any]]:
+        l1 = _l1()
+        controller = eviction_controller.L1EvictionController(l1, EvictionConfig(eviction_policy="LRU"))
+        unread = _write(l1, 8, stored=False)  # the oldest: written, not yet read by the L2 tier
+        stored = _write(l1, 7)  # newer, written out: evictable
+        return l1, controller, unread, stored
+
+    l1, controller, unread, stored = fill()
+    controller._prefixshare_fresh = None  # the control: LMCache's test alone
+    assert set(_reserve(l1, _keys(4))) == {L1Error.SUCCESS}
+    assert any(l1.get_object_state(key) is None for key in unread), "control: no unread chunk was evicted"
+    l1.close()
+
+    l1, controller, unread, stored = fill()
+    assert controller.report_status()["prefixshare_unevictable_bytes"] == 8 * OBJECT_BYTES
+    assert set(_reserve(l1, _keys(4))) == {L1Error.SUCCESS}
+    assert all(l1.get_object_state(key) is not None for key in unread)
+    assert sum(l1.get_object_state(key) is None for key in stored) == 3
+    l1.reserve_read(unread[:2])  # the L2 tier's store reads two, writes them, releases them
+    l1.finish_read(unread[:2])
+    # 6 unread, and the 4 just reserved (staged: written by nobody in this test)
+    assert controller.report_status()["prefixshare_unevictable_bytes"] == 10 * OBJECT_BYTES
+    time.sleep(0.6)  # FRESH_S: the rest become evictable (a chunk no tier takes is not held for ever)
+    assert controller.report_status()["prefixshare_unevictable_bytes"] == 4 * OBJECT_BYTES
     l1.close()

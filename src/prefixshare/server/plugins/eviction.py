@@ -11,7 +11,8 @@ policy, watermark and ratio and changes only when the check runs: the eviction t
 takes a write or releases a read (a store reserved or finished, a chunk's copy to the L2 tier done, which is
 when it becomes evictable), at most every :data:`MIN_GAP_S` (:data:`EMPTY_ROUND_GAP_S` after a round that found
 nothing evictable), and still once a second when nothing happens. A wake with L1 under its watermark costs one
-read of its usage and nothing else.
+read of its usage and nothing else. A chunk just written is not evicted before the L2 tier's store has read it
+(for :data:`FRESH_S` at most): LMCache's loop may evict it in that window, and it is then lost from every tier.
 
 Before L1 reserves memory (a store from an engine, a load from the L2 tier), if the reservation would not fit,
 the reserving thread runs an eviction round itself, with the ratio that makes it fit (at least LMCache's): a
@@ -25,6 +26,7 @@ warm's pacing reads (:mod:`prefixshare.warm._room`).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 #: shortest time between two checks of L1's usage (bounds what a burst of writes costs the thread)
@@ -36,6 +38,9 @@ IDLE_S = 1.0
 EMPTY_ROUND_GAP_S = 0.1
 #: eviction rounds a reservation that would not fit may run before it is tried anyway
 MAX_RESERVE_ROUNDS = 3
+#: how long a chunk just written into L1 is kept from eviction, at most, while the L2 tier's store has not read it
+FRESH_S = 1.0
+_FRESH_PRUNE_AT = 4096
 
 #: L1 events after which eviction may have work: room taken, or a chunk no longer held by a reader
 _WAKE_ON = ("on_l1_keys_reserved_write", "on_l1_keys_write_finished", "on_l1_keys_read_finished",
@@ -46,20 +51,71 @@ _NEEDS = ("_eviction_config", "_eviction_policy", "_l1_manager", "_stop_flag", "
           "_publish_skipped", "_publish_triggered")
 
 
+class _Fresh:
+    """Chunks written into L1 that the L2 tier's store has not read yet (it read-locks a chunk while it writes it
+    out, from a queue it drains when woken): evicting one in that window loses it from every tier. Each is held
+    from eviction until that read begins, for :data:`FRESH_S` at most (a chunk no L2 tier will take, with no
+    tier or a store policy that skips it, becomes evictable then)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until: dict[Any, float] = {}
+
+    def add(self, keys: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if len(self._until) > _FRESH_PRUNE_AT:
+                self._until = {k: t for k, t in self._until.items() if t > now}
+            for key in keys:
+                self._until[key] = now + FRESH_S
+
+    def discard(self, keys: Any) -> None:
+        with self._lock:
+            for key in keys:
+                self._until.pop(key, None)
+
+    def held(self, key: Any) -> bool:
+        until = self._until.get(key)
+        return until is not None and until > time.monotonic()
+
+
 def _listener_class(base: type) -> type:
     """A listener of L1's events (``base``: LMCache's ``L1ManagerListener``) that sets ``self.wake`` on
-    :data:`_WAKE_ON` and ignores the rest (every abstract method implemented, whatever LMCache adds)."""
+    :data:`_WAKE_ON`, keeps ``self.fresh`` (a :class:`_Fresh`) and ignores the rest (every abstract method
+    implemented, whatever LMCache adds)."""
 
     def wake(self: Any, *args: Any, **kwargs: Any) -> None:
         self.wake.set()
 
+    def written(self: Any, keys: Any, *args: Any, **kwargs: Any) -> None:
+        self.fresh.add(keys)  # before the wake: a round it starts holds them already
+        self.wake.set()
+
+    def read_or_gone(self: Any, keys: Any, *args: Any, **kwargs: Any) -> None:
+        self.fresh.discard(keys)
+
     def ignore(self: Any, *args: Any, **kwargs: Any) -> None:
         return None
 
-    names = set(getattr(base, "__abstractmethods__", ())) | {n for n in _WAKE_ON if hasattr(base, n)}
-    namespace: dict[str, Any] = {n: (wake if n in _WAKE_ON else ignore) for n in names}
-    namespace["__init__"] = lambda self, event: setattr(self, "wake", event)
+    handlers = {n: wake for n in _WAKE_ON}
+    handlers.update({"on_l1_keys_write_finished": written, "on_l1_keys_reserved_read": read_or_gone,
+                     "on_l1_keys_deleted_by_manager": read_or_gone})
+    names = set(getattr(base, "__abstractmethods__", ())) | {n for n in handlers if hasattr(base, n)}
+    namespace: dict[str, Any] = {n: handlers.get(n, ignore) for n in names}
+
+    def __init__(self: Any, event: threading.Event, fresh: _Fresh) -> None:  # noqa: N807
+        self.wake, self.fresh = event, fresh
+
+    namespace["__init__"] = __init__
     return type("PrefixShareEvictionWake", (base,), namespace)
+
+
+def _evictable(ctrl: Any) -> Callable[[Any], bool]:
+    """LMCache's test (not locked), less the chunks the L2 tier's store has not read yet (:class:`_Fresh`)."""
+    l1, fresh = ctrl._l1_manager, getattr(ctrl, "_prefixshare_fresh", None)
+    if fresh is None:
+        return l1.is_key_evictable
+    return lambda key: l1.is_key_evictable(key) and not fresh.held(key)
 
 
 def _round(ctrl: Any, usage: float, ratio: float, lmcache_log: Any, why: str) -> int:
@@ -69,8 +125,7 @@ def _round(ctrl: Any, usage: float, ratio: float, lmcache_log: Any, why: str) ->
     with ctrl._prefixshare_round:
         if lmcache_log is not None:  # LMCache's own line for each round (operators and our tests count them)
             lmcache_log.info("L1 memory usage %.2f %s; triggering eviction.", usage, why)
-        actions = ctrl._eviction_policy.get_eviction_actions(
-            ratio, key_eligible_filter=ctrl._l1_manager.is_key_evictable)
+        actions = ctrl._eviction_policy.get_eviction_actions(ratio, key_eligible_filter=_evictable(ctrl))
         for action in actions:
             ctrl.execute_eviction_action(action)
     ctrl._publish_triggered(usage, config.trigger_watermark)
@@ -128,15 +183,15 @@ def _make_room(ctrl: Any, need: int, lmcache_log: Any) -> None:
             return
 
 
-def _unevictable_bytes(l1: Any) -> int:
-    """Bytes L1 holds that no eviction can free now: staged (being written) and read (a load, or the L2 tier's
-    write of it) objects."""
+def _unevictable_bytes(l1: Any, fresh: _Fresh | None) -> int:
+    """Bytes L1 holds that no eviction can free now: staged (being written), read (a load, or the L2 tier's
+    write of it) and fresh (waiting for that write: :class:`_Fresh`) objects."""
     staged = int(getattr(l1, "_staging_bytes", 0) or 0)
-    read = 0
-    for entry in list(l1._objects.values()):
-        if entry.read_lock.is_locked():
-            read += entry.memory_obj.get_size()
-    return staged + read
+    held = 0
+    for key, entry in list(l1._objects.items()):
+        if entry.read_lock.is_locked() or (fresh is not None and fresh.held(key)):
+            held += entry.memory_obj.get_size()
+    return staged + held
 
 
 class _Reserved:
@@ -178,7 +233,8 @@ def _report_status(original: Callable[[Any], dict]) -> Callable[[Any], dict]:
         l1 = getattr(self, "_l1_manager", None)
         if hasattr(self, "_prefixshare_wake") and hasattr(l1, "_prefixshare_reserved"):
             try:
-                status["prefixshare_unevictable_bytes"] = _unevictable_bytes(l1)
+                status["prefixshare_unevictable_bytes"] = _unevictable_bytes(
+                    l1, getattr(self, "_prefixshare_fresh", None))
             except (AttributeError, TypeError):  # another LMCache's L1: the fields are left out, never made up
                 return status
             status["prefixshare_reserved_bytes_total"] = l1._prefixshare_reserved.total
@@ -211,7 +267,8 @@ def install() -> bool:
         original_init(self, l1_manager, *args, **kwargs)
         self._prefixshare_wake = threading.Event()
         self._prefixshare_round = threading.Lock()
-        l1_manager.register_listener(listener(self._prefixshare_wake))
+        self._prefixshare_fresh = _Fresh()
+        l1_manager.register_listener(listener(self._prefixshare_wake, self._prefixshare_fresh))
         if all(hasattr(self, n) for n in _NEEDS):
             l1_manager._prefixshare_make_room = lambda need: _make_room(self, need, lmcache_log)
             l1_manager._prefixshare_reserved = _Reserved()
