@@ -5,6 +5,7 @@ tests/faults/test_corruption.py and tests/faults/test_store_down.py.)"""
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import time
@@ -115,6 +116,36 @@ def test_a_chunk_written_slice_by_slice_and_in_short_writes_has_the_whole_chunks
         path = tmp_path / a._key_to_path(k).name
         assert path.read_bytes() == payload + integrity.trailer(path.name, payload)
         assert integrity.verify_file(path).verdict == "ok"
+
+
+def test_a_chunk_read_slice_by_slice_is_the_chunk_and_a_truncated_one_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader asks for READ_SLICE_BYTES at a time (the last one shorter): the chunk loads byte for byte and
+    checks; a chunk file cut short in its second slice is refused (and set aside), the others load."""
+    from prefixshare.server.plugins import fs
+
+    monkeypatch.setattr(fs, "READ_SLICE_BYTES", 100_000)  # a 256 KiB chunk: two whole slices and a remainder
+    a = adapter(tmp_path, io_threads=2)
+    try:
+        ks, data = keys(3, seed=9), payloads(3, seed=9)
+        assert store(a, ks, data) == 3 * CHUNK
+        victim = a._key_to_path(ks[1])
+        with open(victim, "r+b") as f:
+            f.truncate(150_000)  # in the second slice
+        sizes: list[int] = []
+
+        class Recorded(io.FileIO):
+            def readinto(self, b: Any) -> int | None:
+                sizes.append(len(b))
+                return super().readinto(b)
+
+        monkeypatch.setattr(fs, "open", lambda path, *args, **kwargs: Recorded(path), raising=False)
+        loaded, dst = load(a, ks)
+    finally:
+        a.close()
+    assert loaded == [0, 2] and all(bytes(dst[i].byte_array) == data[i] for i in loaded)
+    assert max(sizes) <= 100_000 and sizes.count(100_000) >= 3, sizes
+    assert victim.with_name(victim.name + integrity.QUARANTINE_SUFFIX).exists()
 
 
 def test_a_damaged_chunk_is_refused_alone_and_quarantined(tmp_path: Path) -> None:
