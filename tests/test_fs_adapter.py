@@ -5,7 +5,6 @@ tests/faults/test_corruption.py and tests/faults/test_store_down.py.)"""
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 import time
@@ -118,13 +117,30 @@ def test_a_chunk_written_slice_by_slice_and_in_short_writes_has_the_whole_chunks
         assert integrity.verify_file(path).verdict == "ok"
 
 
+def _recorded_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(bytes asked, flags) of every ``os.preadv`` the adapter makes from now on."""
+    from prefixshare.server.plugins import fs
+
+    calls: list[tuple[int, int]] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list[Any], offset: int, flags: int = 0) -> int:
+        calls.append((sum(len(b) for b in buffers), flags))
+        return real(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(fs.os, "preadv", preadv)
+    return calls
+
+
 def test_a_chunk_read_slice_by_slice_is_the_chunk_and_a_truncated_one_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reader asks for READ_SLICE_BYTES at a time (the last one shorter): the chunk loads byte for byte and
-    checks; a chunk file cut short in its second slice is refused (and set aside), the others load."""
+    """Out of the page cache the reader asks for READ_SLICE_BYTES at a time (the last one shorter): the chunk
+    loads byte for byte and checks; a chunk file cut short in its second slice is refused (and set aside), the
+    others load."""
     from prefixshare.server.plugins import fs
 
     monkeypatch.setattr(fs, "READ_SLICE_BYTES", 100_000)  # a 256 KiB chunk: two whole slices and a remainder
+    monkeypatch.setattr(fs, "_NOWAIT", None)  # as if nothing were cached
     a = adapter(tmp_path, io_threads=2)
     try:
         ks, data = keys(3, seed=9), payloads(3, seed=9)
@@ -132,20 +148,43 @@ def test_a_chunk_read_slice_by_slice_is_the_chunk_and_a_truncated_one_is_refused
         victim = a._key_to_path(ks[1])
         with open(victim, "r+b") as f:
             f.truncate(150_000)  # in the second slice
-        sizes: list[int] = []
-
-        class Recorded(io.FileIO):
-            def readinto(self, b: Any) -> int | None:
-                sizes.append(len(b))
-                return super().readinto(b)
-
-        monkeypatch.setattr(fs, "open", lambda path, *args, **kwargs: Recorded(path), raising=False)
+        calls = _recorded_reads(monkeypatch)
         loaded, dst = load(a, ks)
     finally:
         a.close()
     assert loaded == [0, 2] and all(bytes(dst[i].byte_array) == data[i] for i in loaded)
-    assert max(sizes) <= 100_000 and sizes.count(100_000) >= 3, sizes
+    sizes = [size for size, _ in calls]
+    assert max(sizes) <= 100_000 and sizes.count(100_000) >= 5, sizes
     assert victim.with_name(victim.name + integrity.QUARANTINE_SUFFIX).exists()
+
+
+def test_a_chunk_the_page_cache_holds_is_read_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Just written, the chunks are in the page cache: each is read in two reads that do not wait for the device
+    (its first slice, then the rest), not slice by slice (slices cost a cached read 10-15 %)."""
+    from prefixshare.server.plugins import fs
+
+    if fs._NOWAIT is None:
+        pytest.skip("this system has no RWF_NOWAIT")
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 4096)
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(4096)], 0, fs._NOWAIT)
+    except OSError as exc:
+        pytest.skip(f"this filesystem does not read with RWF_NOWAIT: {exc}")
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(fs, "READ_SLICE_BYTES", 100_000)
+    a = adapter(tmp_path, io_threads=2)
+    try:
+        ks, data = keys(3, seed=11), payloads(3, seed=11)
+        assert store(a, ks, data) == 3 * CHUNK
+        calls = _recorded_reads(monkeypatch)
+        loaded, dst = load(a, ks)
+    finally:
+        a.close()
+    assert loaded == [0, 1, 2] and all(bytes(dst[i].byte_array) == data[i] for i in loaded)
+    assert sorted(calls) == sorted([(100_000, fs._NOWAIT), (CHUNK - 100_000, fs._NOWAIT)] * 3), calls
 
 
 def test_a_damaged_chunk_is_refused_alone_and_quarantined(tmp_path: Path) -> None:
