@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from _engine_env import set_engine_env  # tests/helpers: this script's directory
+from _engine_env import engine_kwargs, set_engine_env  # tests/helpers: this script's directory
 
 set_engine_env()
 
@@ -31,13 +31,7 @@ def main() -> None:
     from prefixshare.warm import prompt_for, warm
     from prefixshare.warm._engines import engine_for
 
-    if kind == "sglang":  # the settings tests/helpers/sglang_replica.py runs SGLang's CPU engine with
-        engine = {"model_path": spec["model"], "device": "cpu", "attention_backend": "torch_native",
-                  "disable_cuda_graph": True, "page_size": 16, "dtype": "float32", "mem_fraction_static": 0.3,
-                  "max_total_tokens": 16384, "context_length": 2048, "log_level": "warning", "random_seed": 0}
-    else:
-        engine = {"model": spec["model"], "dtype": "float32", "enforce_eager": True,
-                  "distributed_executor_backend": "uni", "block_size": 32, "max_model_len": 2048, "seed": 0}
+    engine = engine_kwargs(kind, spec["model"])
     ps = PrefixShare(spec["policy_file"], server=False, instance=spec["instance"])
     llm = ps.attach(engine, engine_type=kind)
     batch = int(spec["batch_tokens"])
