@@ -432,10 +432,16 @@ class L1Engine(FakeEngine):
         assert request.url.path == "/status"
         self._evict()
         self.readings.append(self.used)
-        return httpx.Response(200, json={"storage_manager": {
-            "l1_usage": [self.used, self.capacity], "l1_manager": {"staging_object_count": 0},
-            "store_controller": {"pending_keys_count": 0, "in_flight_task_count": 0},
-            "l1_eviction_controller": {"trigger_watermark": 0.8}}})
+        return httpx.Response(200, json=_status(self.used, self.capacity))
+
+
+def _status(used: int, total: int = 100, pending: int = 0, **eviction: int) -> dict[str, Any]:
+    """The MP server's ``/status`` as warm's pacing reads it: L1's usage, chunks waiting for their L2 write, and
+    the eviction controller's entry (``eviction``: the fields prefixshare's server adds)."""
+    return {"storage_manager": {
+        "l1_usage": [used, total], "l1_manager": {"staging_object_count": 0},
+        "store_controller": {"pending_keys_count": pending, "in_flight_task_count": 0},
+        "l1_eviction_controller": {"trigger_watermark": 0.8, **eviction}}}
 
 
 @pytest.fixture
@@ -505,10 +511,7 @@ def test_room_waits_only_when_the_server_will_free_memory(used: int, pending: in
     from prefixshare.warm._room import ServerRoom
 
     def status(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"storage_manager": {
-            "l1_usage": [used, 100], "l1_manager": {"staging_object_count": 0},
-            "store_controller": {"pending_keys_count": pending, "in_flight_task_count": 0},
-            "l1_eviction_controller": {"trigger_watermark": 0.8}}})
+        return httpx.Response(200, json=_status(used, pending=pending))
 
     room = ServerRoom("http://server", log=get_logger("test"), transport=httpx.MockTransport(status))
     t0 = time.monotonic()
@@ -534,10 +537,7 @@ def test_a_server_that_reports_its_unevictable_bytes_is_paced_to_them(unevictabl
     from prefixshare.warm._room import ServerRoom
 
     def status(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"storage_manager": {
-            "l1_usage": [90, 100], "l1_manager": {"staging_object_count": 0},
-            "store_controller": {"pending_keys_count": pending, "in_flight_task_count": 0},
-            "l1_eviction_controller": {"trigger_watermark": 0.8, "prefixshare_unevictable_bytes": unevictable}}})
+        return httpx.Response(200, json=_status(90, pending=pending, prefixshare_unevictable_bytes=unevictable))
 
     room = ServerRoom("http://server", log=get_logger("test"), transport=httpx.MockTransport(status))
     t0 = time.monotonic()
@@ -558,11 +558,9 @@ def test_a_call_whose_kv_the_server_reserved_is_no_longer_in_transit() -> None:
     server = {"reserved": 1000, "unevictable": 10, "pending": 0}
 
     def status(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"storage_manager": {
-            "l1_usage": [90, 100], "l1_manager": {"staging_object_count": 0},
-            "store_controller": {"pending_keys_count": server["pending"], "in_flight_task_count": 0},
-            "l1_eviction_controller": {"trigger_watermark": 0.8, "prefixshare_unevictable_bytes": server["unevictable"],
-                                       "prefixshare_reserved_bytes_total": server["reserved"]}}})
+        return httpx.Response(200, json=_status(90, pending=server["pending"],
+                                                prefixshare_unevictable_bytes=server["unevictable"],
+                                                prefixshare_reserved_bytes_total=server["reserved"]))
 
     room = ServerRoom("http://server", log=get_logger("test"), transport=httpx.MockTransport(status))
     assert room.fit([40, 40]) == 2  # 95 less 10
@@ -590,10 +588,7 @@ def test_a_call_the_server_was_busy_with_and_is_idle_after_has_landed() -> None:
     server = {"used": 60, "pending": 0}
 
     def status(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"storage_manager": {
-            "l1_usage": [server["used"], 100], "l1_manager": {"staging_object_count": 0},
-            "store_controller": {"pending_keys_count": server["pending"], "in_flight_task_count": 0},
-            "l1_eviction_controller": {"trigger_watermark": 0.8}}})
+        return httpx.Response(200, json=_status(server["used"], pending=server["pending"]))
 
     room = ServerRoom("http://server", log=get_logger("test"), transport=httpx.MockTransport(status))
     assert room.fit([30, 30]) == 1  # 35 free
