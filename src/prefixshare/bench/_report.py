@@ -421,8 +421,9 @@ def _md_store(rows: dict[str, Any], lengths: list[int], digest: str) -> list[str
         "memory left alone for milliseconds can read slower, 2-3x in one run, so both start from the same state); "
         "*read (evicted)*: "
         "after the files were dropped from the page cache. Raw I/O and the adapters run in one loop, a round of each "
-        "per repetition in an order that rotates, so the medium's drift moves both sides of a ratio alike. The goal "
-        "is judged on prefixshare's adapter, the one users get.",
+        "per repetition in an order that rotates, so the medium's drift moves both sides of a ratio alike; medians of "
+        f"{_reps(rows, lengths)} repetitions (min–max in parentheses). The goal is judged on prefixshare's adapter, the "
+        "one users get.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -437,6 +438,12 @@ def _md_store(rows: dict[str, Any], lengths: list[int], digest: str) -> list[str
             cells.append(f"{ratio['write']:.2f} / {ratio['read_warm']:.2f} / {ratio['read_evicted']:.2f}")
         lines.append(f"| {n} | {r['kv_bytes'] / 1e6:.0f} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _reps(rows: dict[str, Any], lengths: list[int]) -> str:
+    """P3's repetitions per length, as the run recorded them (one number when every length had as many)."""
+    reps = sorted({rows[str(n)]["io"]["raw"]["read_warm_gbps"]["n"] for n in lengths})
+    return str(reps[0]) if len(reps) == 1 else f"{reps[0]}–{reps[-1]}"
 
 
 def _over(io: dict[str, Any], src: str) -> dict[str, float]:

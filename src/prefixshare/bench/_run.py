@@ -104,6 +104,10 @@ class Settings:
     sweep_factors: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.8, 1.25, 2.0, 4.0])
     sweep_runs: int = 3
     runs: int = 5
+    #: P3's repetitions per length (raw I/O and each adapter, interleaved): a 1k-token round is a few milliseconds
+    #: of I/O, so on a shared 2-core box a median of 5 moves with a couple of slow rounds (0.78x and 1.64x a day
+    #: apart at 1k); 15 rounds of every length cost about a minute
+    io_reps: int = 15
     #: P5: interleaved pairs (prefixshare's connector, LMCache's) per length
     p5_pairs: int = 20
     #: P6's corpus: documents of about corpus_tokens tokens warmed in one call, and warm's batch size
@@ -127,7 +131,8 @@ class Settings:
 
         if quick:
             base = cls(quick=True, shape="tiny", lengths=[256, 512], slow_lengths=[512], sweep_lengths=[512],
-                       runs=5, p5_pairs=6, corpus_docs=12, corpus_tokens=128, chunk_size=64, block_size=32, l1_gb=0.2, kv_cache_gb=1, evicted=False,
+                       runs=5, io_reps=5, p5_pairs=6, corpus_docs=12, corpus_tokens=128, chunk_size=64, block_size=32,
+                       l1_gb=0.2, kv_cache_gb=1, evicted=False,
                        warmup_tokens=128, out=cache_dir() / "bench" / "quick-results", docs=None)
         else:
             base = cls()
@@ -300,7 +305,7 @@ class Bench:
             digest = DEFAULT_ALGORITHM
         for n in s.lengths:
             size = n * kvb
-            io[str(n)] = {**store_io(self.work, size, chunk_bytes, s.runs),
+            io[str(n)] = {**store_io(self.work, size, chunk_bytes, s.io_reps),
                           "copy": copy_path(size, chunk_bytes, s.runs, digest=digest)}
         self.timings["io_s"] = round(time.perf_counter() - t0, 1)
         return io
