@@ -421,9 +421,9 @@ def _md_store(rows: dict[str, Any], lengths: list[int], digest: str) -> list[str
         "memory left alone for milliseconds can read slower, 2-3x in one run, so both start from the same state); "
         "*read (evicted)*: "
         "after the files were dropped from the page cache. Raw I/O and the adapters run in one loop, a round of each "
-        "per repetition in an order that rotates, so the medium's drift moves both sides of a ratio alike; medians of "
-        f"{_reps(rows, lengths)} repetitions (min–max in parentheses). The goal is judged on prefixshare's adapter, the "
-        "one users get.",
+        "per repetition in an order that rotates, so the medium's drift moves both sides of a ratio alike; medians "
+        f"of {_reps(rows, lengths)} repetitions (min–max in parentheses). The goal is judged on prefixshare's "
+        "adapter, the one users get.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
