@@ -237,3 +237,53 @@ def test_a_chunk_the_l2_tier_has_not_read_yet_is_not_evicted(monkeypatch: pytest
     time.sleep(0.6)  # FRESH_S: the rest become evictable (a chunk no tier takes is not held for ever)
     assert controller.report_status()["prefixshare_unevictable_bytes"] == 4 * OBJECT_BYTES
     l1.close()
+
+
+def test_a_chunk_gone_before_the_l2_tier_read_it_is_logged_and_counted(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Any) -> None:
+    """LMCache's store loop skips a chunk that left L1 before it read it (lost from every tier) with a line at debug
+    level only. With prefixshare's server it is a warning and a count in the store controller's /status. LMCache's
+    real L1, store controller (its thread never started: the test runs its step) and prefixshare's fs tier; of
+    four chunks written, three are deleted before the step. Control: the one left is written to the store, and a
+    step that reads every chunk logs nothing."""
+    from lmcache.v1.distributed.error import L1Error
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
+    from lmcache.v1.distributed.storage_controllers import store_controller
+    from lmcache.v1.distributed.storage_controllers.store_policy import create_store_policy
+    from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
+    from structlog.testing import capture_logs
+
+    from prefixshare.server.plugins import losses
+    from prefixshare.server.plugins.fs import CheckedFSL2Adapter
+
+    cls = store_controller.StoreController
+    for name in ("__init__", "report_status"):
+        monkeypatch.setattr(cls, name, getattr(cls, name))
+    assert losses.install() and losses.install()  # a second install changes nothing
+    l1 = _l1()
+    config = FSL2AdapterConfig(base_path=str(tmp_path))
+    adapter = CheckedFSL2Adapter(config)
+    controller = cls(l1, [adapter], [L2AdapterDescriptor(index=0, config=config)], create_store_policy("default"))
+    try:
+        def step() -> list[dict[str, Any]]:
+            with capture_logs() as logs:
+                controller._process_new_keys(controller._listener.pop_pending_keys())
+            return [e for e in logs if e["event"] == "store.chunks_not_stored"]
+
+        keys = _write(l1, 4, stored=False)
+        assert set(l1.delete(keys[:3]).values()) == {L1Error.SUCCESS}
+        lost = step()
+        assert [(e["chunks"], e["reason"], e["since_start"], e["log_level"]) for e in lost] == [
+            (3, "not_found", 3, "warning")], lost
+        assert "lost from every tier" in lost[0]["what"]
+        assert controller.report_status()["prefixshare_chunks_not_stored"] == {"not_found": 3}
+        deadline = time.monotonic() + 10
+        while len(list(tmp_path.rglob("*.data"))) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(list(tmp_path.rglob("*.data"))) == 1  # the chunk still in L1 was written out
+        _write(l1, 2, stored=False)
+        assert step() == []  # control: every chunk read, nothing said
+        assert controller.report_status()["prefixshare_chunks_not_stored"] == {"not_found": 3}
+    finally:
+        adapter.close()
+        l1.close()

@@ -632,7 +632,8 @@ class _WarmRun:
 
     def _missing_hint(self, item: _Planned) -> str:
         hint = (f"the server drops a store it has no memory for (its log, {self.ps.server.log_path}, then says "
-                "'Failed to batched allocate'): raise the policy's l1.size_gb; else check that log and ps.stats()")
+                "'Failed to batched allocate'; 'store.chunks_not_stored' for a chunk that left its memory before "
+                "the store wrote it): raise the policy's l1.size_gb; else check that log and ps.stats()")
         cached = item.result.cached_tokens if item.result is not None else 0
         if cached >= self.policy.chunk_size and not self.force:
             hint = (f"the engine did not compute {cached} of its tokens (its prefix cache held them), and its "

@@ -17,7 +17,8 @@ second).
 Its L1 eviction checks L1's usage when L1 takes a write or releases a read, not only once a second, and runs
 before a reservation that would not fit (:mod:`prefixshare.server.plugins.eviction`): a full L1 takes new KV as
 fast as it can evict, not at a fifth of its size per second, and its ``/status`` says how much of it cannot be
-evicted.
+evicted. A chunk an engine stored that left L1 before the L2 tier's store read it is logged as a warning and
+counted (:mod:`prefixshare.server.plugins.losses`), not only at LMCache's debug level.
 """
 
 from __future__ import annotations
@@ -84,12 +85,13 @@ def quiet_device_dispatcher(interval_s: float = CPU_DRAIN_INTERVAL_S) -> bool:
 
 def main() -> None:
     from prefixshare._log import configure_from_environment
-    from prefixshare.server.plugins import eviction, guards
+    from prefixshare.server.plugins import eviction, guards, losses
 
     configure_from_environment()
     name_native_threads()
     quiet_device_dispatcher()
     eviction.install()
+    losses.install()
     guards.install()
     from lmcache.cli.main import main as lmcache_main
 
