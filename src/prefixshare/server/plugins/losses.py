@@ -47,6 +47,11 @@ class _Watch:
         log.warning("store.chunks_not_stored", chunks=len(keys), reason=reason, since_start=total,
                     what=REASONS.get(reason, reason), models=sorted({str(getattr(k, "model_name", "?")) for k in keys}))
 
+    def snapshot(self) -> dict[str, int]:
+        """Chunks not stored since start, per reason (a copy)."""
+        with self._lock:
+            return dict(self.counts)
+
     def __getattr__(self, name: str) -> Any:  # whatever else LMCache asks of its bus
         return getattr(self._bus, name)
 
@@ -56,8 +61,7 @@ def _status(original: Callable[[Any], dict]) -> Callable[[Any], dict]:
         status = original(self)
         watch = getattr(self, "_event_bus", None)
         if isinstance(watch, _Watch):
-            with watch._lock:
-                status["prefixshare_chunks_not_stored"] = dict(watch.counts)
+            status["prefixshare_chunks_not_stored"] = watch.snapshot()
         return status
 
     return report_status
