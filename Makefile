@@ -38,16 +38,16 @@ test: $(STAMP) services
 # packet loss and cut links, and sshfs plus an SSH server for its shared filesystem over the network
 # (tests/lab). On CI a missing one is an error; elsewhere those tests skip with the reason.
 services:
-	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server >/dev/null; } \
-	  || { echo "redis-server could not be installed"; test -z "$$CI"; }
-	@/sbin/ldconfig -p | grep -q libibverbs.so.1 || { apt-get update -q && apt-get install -y -q libibverbs1 >/dev/null; } \
-	  || { echo "libibverbs1 could not be installed"; test -z "$$CI"; }
-	@command -v nft >/dev/null || { apt-get update -q && apt-get install -y -q nftables >/dev/null; } \
-	  || { echo "nftables could not be installed (the network lab's loss and cut faults need it)"; test -z "$$CI"; }
-	@{ command -v sshfs && { command -v sshd || test -x /usr/sbin/sshd; }; } >/dev/null || \
-	  { apt-get update -q && apt-get install -y -q sshfs openssh-server >/dev/null; } \
-	  || { echo "sshfs / openssh-server could not be installed (the network lab's shared filesystem needs them)"; \
-	       test -z "$$CI"; }
+	@missing=""; \
+	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	  /sbin/ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
+	  command -v nft >/dev/null || missing="$$missing nftables"; \
+	  { command -v sshfs && { command -v sshd || test -x /usr/sbin/sshd; }; } >/dev/null || \
+	    missing="$$missing sshfs openssh-server"; \
+	  test -z "$$missing" || { echo "installing:$$missing"; \
+	    { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; } || \
+	    { echo "could not install:$$missing (Redis for the resp/valkey tiers, libibverbs1 for the mooncake tier," \
+	           "nftables, sshfs and openssh-server for the network lab)"; test -z "$$CI"; }; }
 
 # The GPU check (tests/gpu/, LMCache's CUDA copy on synthetic KV; no engine): make gpu-wheels here, bring the
 # tree with build/gpu-wheels/ to a GPU host, run make gpu-check there (CPU-only machines: the CUDA rows skip).

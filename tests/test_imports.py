@@ -41,7 +41,7 @@ def test_public_api_resolves_lazily_without_engines() -> None:
 
 # Layers, lowest first (docs/architecture.md): a module may import only from its own layer or a lower one.
 LAYERS = [
-    {"errors", "_log", "_paths", "_metrics", "_files", "_units", "_version", "_env", "_net", "_lazy"},
+    {"errors", "_log", "_paths", "_metrics", "_files", "_units", "_version", "_env", "_net", "_lazy", "_native"},
     {"plan", "tiers"},
     {"fingerprint", "policies"},
     {"keys"},

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prefixshare import _native
 from prefixshare._lazy import lazy_exports
 from prefixshare._version import __version__
+
+# Every process that imports prefixshare (the MP server, each engine, the CLI) sees a package whose native
+# library cannot load here (Mooncake's, without the RDMA verbs library) as not installed: see _native.
+_native.install()
 
 # public name -> module that defines it (imported lazily by __getattr__)
 _EXPORTS: dict[str, str] = {

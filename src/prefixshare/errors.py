@@ -54,6 +54,11 @@ class MissingExtraError(PrefixShareError, ImportError):
         )
 
 
+class NativeLibraryError(PrefixShareError, ImportError):
+    """An installed optional dependency cannot load its native library on this host; the message names the
+    library and how to install it."""
+
+
 class ServerError(PrefixShareError, RuntimeError):
     """The LMCache MP server could not be started, reached or stopped."""
 
@@ -75,6 +80,7 @@ __all__ = [
     "FingerprintError",
     "IncompatibleError",
     "MissingExtraError",
+    "NativeLibraryError",
     "PolicyError",
     "PrefixShareError",
     "ServerError",

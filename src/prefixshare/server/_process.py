@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import httpx
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from prefixshare._log import get_logger
+from prefixshare._native import NATIVE_HINTS
 from prefixshare._net import connect_error
 from prefixshare._paths import run_dir
 from prefixshare.errors import ServerError
@@ -73,7 +75,16 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text[-lines:])
 
 
+#: the loader's message for a native library it cannot find: "libX.so.1: cannot open shared object file"
+_MISSING_LIBRARY = re.compile(r"([\w.+-]+\.so[\w.]*): cannot open shared object file")
+
+
 def _likely_cause(log: str) -> str:
+    missing = _MISSING_LIBRARY.search(log)
+    if missing is not None:
+        library = missing.group(1)
+        hint = f"; {NATIVE_HINTS['mooncake']}" if "ibverbs" in library else ""
+        return f"the native library {library} is missing on this host (see the traceback above for who needs it){hint}"
     for needle, cause in _LIKELY_CAUSES:
         if needle in log:
             return cause

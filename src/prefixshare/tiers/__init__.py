@@ -12,7 +12,8 @@ import difflib
 import importlib
 import importlib.util
 
-from prefixshare.errors import MissingExtraError
+from prefixshare._native import native_problem
+from prefixshare.errors import MissingExtraError, NativeLibraryError
 from prefixshare.tiers._base import EvictionSettings, LegacyRemote, TierConfig, problem
 
 _REGISTRY: dict[str, str] = {
@@ -57,7 +58,8 @@ def tier_class(name: str) -> type[TierConfig]:
 
 
 def require_client(tier: TierConfig) -> None:
-    """Raise MissingExtraError if the tier's optional client library is not importable."""
+    """Raise MissingExtraError if the tier's optional client library is not installed, NativeLibraryError if it
+    is but cannot load its native library on this host (Mooncake's without the RDMA verbs library)."""
     module = tier.requires_module
     if module is None:
         return
@@ -67,6 +69,9 @@ def require_client(tier: TierConfig) -> None:
         found = False
     if not found:
         raise MissingExtraError(f"the {tier.type!r} tier", module, tier.requires_extra or tier.type)
+    reason = native_problem(module)
+    if reason is not None:
+        raise NativeLibraryError(f"the {tier.type!r} tier cannot be used on this host: {reason}")
 
 
 from prefixshare.tiers._base import read_secret
