@@ -59,7 +59,7 @@ def _store(ctx: DeferredContext, rid: str) -> Any:
 
 def test_store_returns_before_the_copy_and_resolves_after() -> None:
     inner, failures = SyncContext(), []
-    stores = DeferredStores(5.0, lambda rid, err: failures.append((rid, err)))
+    stores = DeferredStores(5.0, lambda rid, why, err: failures.append((rid, err)))
     ctx = stores.wrap(inner)
     inner.gate.clear()
     started = time.monotonic()
@@ -79,7 +79,7 @@ def test_each_store_copies_on_a_thread_that_ends_with_it() -> None:
     every later load's copy in the engine 1.7x slower on 2 cores (see _deferred's doc): each store runs on a
     thread of its own, which is gone once the store has resolved."""
     inner = SyncContext()
-    stores = DeferredStores(5.0, lambda rid, err: None)
+    stores = DeferredStores(5.0, lambda rid, why, err: None)
     ctx = stores.wrap(inner)
     assert [_store(ctx, rid).result(timeout=5) for rid in ("a", "b")] == [True, True]
     first, second = inner.threads
@@ -91,7 +91,7 @@ def test_each_store_copies_on_a_thread_that_ends_with_it() -> None:
 
 def test_submission_order_and_flush_waits_for_every_queued_store() -> None:
     inner = SyncContext()
-    stores = DeferredStores(5.0, lambda rid, err: None)
+    stores = DeferredStores(5.0, lambda rid, why, err: None)
     ctx = stores.wrap(inner)
     inner.gate.clear()
     futures = [_store(ctx, f"r{i}") for i in range(6)]
@@ -105,19 +105,19 @@ def test_submission_order_and_flush_waits_for_every_queued_store() -> None:
 
 def test_a_store_that_raises_resolves_false_and_reports_the_error() -> None:
     inner, failures = SyncContext(), []
-    stores = DeferredStores(5.0, lambda rid, err: failures.append((rid, type(err).__name__ if err else None)))
+    stores = DeferredStores(5.0, lambda rid, why, err: failures.append((rid, why, type(err).__name__ if err else None)))
     ctx = stores.wrap(inner)
     inner.fail = {"dead": TimeoutError("PREPARE_STORE timed out"), "refused": False}
     results = [_store(ctx, rid).result(timeout=5) for rid in ("dead", "refused", "ok")]
     assert results == [False, False, True]
-    assert failures == [("dead", "TimeoutError"), ("refused", None)]
+    assert failures == [("dead", "rpc_failed", "TimeoutError"), ("refused", "refused", None)]
     assert (stores.completed, stores.failed) == (1, 2)
     assert stores.drain()
 
 
 def test_drain_is_bounded_and_refuses_new_stores() -> None:
     inner = SyncContext()
-    stores = DeferredStores(5.0, lambda rid, err: None)
+    stores = DeferredStores(5.0, lambda rid, why, err: None)
     ctx = stores.wrap(inner)
     inner.gate.clear()
     stuck = _store(ctx, "stuck")
@@ -138,7 +138,7 @@ def test_a_drain_that_gives_up_still_waits_for_the_store_being_copied() -> None:
     reserved: the store already running (maybe mid-copy into its reserved buffer) is waited for; the stores
     behind it are dropped unsent."""
     inner = SyncContext()
-    stores = DeferredStores(5.0, lambda rid, err: None)
+    stores = DeferredStores(5.0, lambda rid, why, err: None)
     ctx = stores.wrap(inner)
     inner.gate.clear()
     running, queued = _store(ctx, "running"), _store(ctx, "queued")
@@ -155,11 +155,35 @@ def test_stores_queued_behind_a_dead_server_are_dropped_unsent() -> None:
     once instead of waiting out its RPC timeout while the engine holds its blocks."""
     inner = SyncContext()
     up = threading.Event()
-    stores = DeferredStores(5.0, lambda rid, err: None, healthy=up.is_set)
+    lost: list[tuple[str, str]] = []
+    stores = DeferredStores(5.0, lambda rid, why, err: lost.append((rid, why)), healthy=up.is_set)
     ctx = stores.wrap(inner)
     futures = [_store(ctx, f"r{i}") for i in range(3)]
     assert [f.result(timeout=5) for f in futures] == [False, False, False]
     assert inner.order == [] and stores.dropped == 3 and stores.failed == 3
+    assert lost == [(f"r{i}", "server_down") for i in range(3)]  # every one reported, with its reason
     up.set()
     assert _store(ctx, "back").result(timeout=5) is True and inner.order == ["back"]
+    assert stores.drain()
+
+
+def test_abandon_drops_what_is_queued_even_if_the_server_answers_again_and_waits_for_the_running_store() -> None:
+    """LMCache's worker, finding the server unhealthy, reports every store it tracks as finished and vLLM frees
+    their blocks: a store queued then must never be sent later (its blocks may hold another request's KV by
+    then), even when the server is healthy again by the time the queue reaches it; the store being copied is
+    waited for before abandon returns."""
+    inner = SyncContext()
+    lost: list[tuple[str, str]] = []
+    stores = DeferredStores(5.0, lambda rid, why, err: lost.append((rid, why)))
+    ctx = stores.wrap(inner)
+    inner.gate.clear()
+    running, queued = _store(ctx, "running"), _store(ctx, "queued")
+    time.sleep(0.1)  # the thread is inside "running"
+    threading.Timer(0.4, inner.gate.set).start()
+    started = time.monotonic()
+    assert stores.abandon() == 2
+    assert time.monotonic() - started >= 0.3 and running.query()  # returned only once the running store ended
+    assert queued.result(timeout=5) is False and inner.order == ["running"]
+    assert lost == [("queued", "server_down")]
+    assert _store(ctx, "after").result(timeout=5) is True and inner.order == ["running", "after"]  # new ones go
     assert stores.drain()

@@ -78,6 +78,8 @@ class _Metrics:
         self.warm_bytes = Counter("prefixshare_warm_bytes", "KV bytes warmed", ["engine"], **kw)
         self.warm_ratio = Gauge("prefixshare_warm_progress_ratio", "Progress of the running warm, by tokens",
                                 ["engine"], **kw)
+        self.stores_lost = Counter("prefixshare_stores_lost", "Stores an engine made that never reached the node's "
+                                   "server", ["engine", "reason"], **kw)
         self.verify = Counter("prefixshare_verify", "Sampled verification of store hits", ["engine", "verdict"],
                               **kw)
         # warm_progress reports cumulative values per run; counters take the increments
@@ -202,6 +204,14 @@ def stored(engine: str, tokens: int, nbytes: int) -> None:
         return
     m.stored_tokens.labels(engine).inc(tokens)
     m.stored_bytes.labels(engine).inc(nbytes)
+
+
+def store_lost(engine: str, reason: str) -> None:
+    """A store an engine made did not reach the server (reason: server_down, rpc_failed, refused)."""
+    m = _m if _resolved else _resolve()
+    if m is None:
+        return
+    m.stores_lost.labels(engine, reason).inc()
 
 
 def verify(engine: str, verdict: str) -> None:

@@ -77,13 +77,18 @@ def main() -> None:
 
     def reset_prefix_cache() -> bool:
         """Clear the engine's own prefix cache. A finished request's blocks stay held until the connector
-        reports its store done, which happens in the next engine step: run (empty) steps until it is."""
-        for _ in range(50):
+        reports its store done, which happens in the next engine step after the store ends: run (empty) steps
+        until it is. A store into a hung server ends when its RPC times out (the policy's load timeout, twice:
+        two RPCs), not at the heartbeat's first late ping: wait that long, plus a second."""
+        policy_timeout = float((spec.get("policy") or {}).get("load", {}).get("timeout_s") or 2.0)
+        deadline = time.monotonic() + 2 * policy_timeout + 1.0
+        while True:
             if llm.reset_prefix_cache():
                 return True
+            if time.monotonic() > deadline:
+                return False
             llm.llm_engine.step()
             time.sleep(0.01)
-        return False
 
     def generate(ids: list[int], step: dict[str, Any], params: dict[str, Any] | None,
                  salt: str | None) -> dict[str, Any]:

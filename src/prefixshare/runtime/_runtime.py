@@ -442,6 +442,18 @@ class ConnectorRuntime(StatsPublisher):
         self.log.warning("load.fallback", reason=reason, request_id=info.request_id if info else None,
                          action="recompute")
 
+    def store_lost(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """A store this engine made never reached the server (``server_down``: dropped unsent while the server
+        was down; ``rpc_failed``: its RPC failed or timed out; ``refused``: the server answered that it did not
+        take it). Counted (stats ``stores_lost``, metric ``prefixshare_stores_lost``) and logged, every one."""
+        with self._lock:
+            self.stats.stores_lost[reason] += 1
+            total = sum(self.stats.stores_lost.values())
+        _metrics.store_lost(self.engine, reason)
+        self.log.warning("store.lost", request_id=request_id, reason=reason, error=error, lost_total=total,
+                         effect="this request's KV is not in the store; the next request with its prefix computes it")
+        self.publish()
+
     def cost_fallback(self, info: RequestInfo | None) -> None:
         """A recompute chosen by the cost model: counted like other fallbacks, without a warning (nothing is
         wrong), and whatever the lookup found is not loaded."""

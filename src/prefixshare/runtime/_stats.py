@@ -42,6 +42,8 @@ class Stats:
     #: store hits set aside for verification, and those not kept (by reason: rate, pending, lora, error)
     verify_sampled: int = 0
     verify_dropped: Counter[str] = field(default_factory=Counter)
+    #: stores the engine made that never reached the server, by reason (worker side: the engine's stores)
+    stores_lost: Counter[str] = field(default_factory=Counter)
     # the newest latencies only (a long-running engine must not grow these, nor sort them all on every publish)
     lookup_ms: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     load_ms: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
@@ -69,6 +71,7 @@ class Stats:
             "fallbacks": dict(self.fallbacks),
             "verify_sampled": self.verify_sampled,
             "verify_dropped": dict(self.verify_dropped),
+            "stores_lost": dict(self.stores_lost),
             "lookup_ms": summary(self.lookup_ms),
             "load_ms": summary(self.load_ms),
         }
@@ -375,6 +378,7 @@ def read_stats(instance: str) -> dict[str, Any]:
     fallbacks: Counter[str] = Counter()
     verify: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
+    lost: Counter[str] = Counter()
     for rt in list(_LIVE):  # this process's own engines: write what is pending, no waiting for the thread
         if rt.instance == instance and rt.pending:
             rt.flush()
@@ -384,6 +388,7 @@ def read_stats(instance: str) -> dict[str, Any]:
         if snap is None:
             continue
         total["processes"] += 1
+        lost.update(snap.get("stores_lost", {}))  # counted where the stores are made (workers)
         if snap.get("role") == "verifier":  # what the checking half judged (prefixshare.verify)
             verify.update({k: int(snap.get(k) or 0) for k in VERDICTS})
             continue
@@ -402,7 +407,7 @@ def read_stats(instance: str) -> dict[str, Any]:
         total["load_ms"] = snap.get("load_ms")
         if "cost" in snap:
             total["cost"] = snap["cost"]
-    total["refused"], total["fallbacks"] = dict(refused), dict(fallbacks)
+    total["refused"], total["fallbacks"], total["stores_lost"] = dict(refused), dict(fallbacks), dict(lost)
     total["verify"] = {"sampled": verify["sampled"], "dropped": dict(dropped),
                        **{k: verify[k] for k in VERDICTS}}
     return total

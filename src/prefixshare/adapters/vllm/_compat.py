@@ -11,6 +11,14 @@
   LMCache's synchronous store (reserve the server's chunk buffers, fill them, commit) and the pieces of its
   context they need, for the store whose fill :mod:`prefixshare.adapters.vllm._store_copy` makes itself.
 * :func:`apply` — a guarded fix for one vLLM 0.32 bug that breaks in-process engines once LMCache is imported.
+* :func:`patient_heartbeat` — LMCache's ``HeartbeatThread`` waits one interval for a ping and calls the server
+  unhealthy after one late answer (then the worker drops its in-flight stores); prefixshare's subclass gives a
+  ping its own deadline and degrades after consecutive misses.
+
+Verified against LMCache 0.5.6 (``lmcache.integration.vllm.vllm_multi_process_adapter``: ``HeartbeatThread``'s
+``_req_client`` (its ``ping(instance_id)`` returns a future with ``wait`` / ``result``), ``_health_event``,
+``_interval``, ``_instance_id``, ``_recover_callback``, ``stop_requested``; both adapters construct
+``HeartbeatThread`` by its module name when they start it).
 
 The bug:
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM's ``triton_utils.dispatcher._rebind_kernels`` calls
@@ -23,7 +31,18 @@ behaves as before. Multiprocess engines (vLLM's default) never hit this path.
 from __future__ import annotations
 
 import builtins
+import time
 from typing import Any
+
+#: how long a heartbeat ping may take before it counts as missed (LMCache: the heartbeat interval, 1 s here):
+#: a loaded server answers a ping behind the lookups and stores queued on the same socket and worker pool
+PING_DEADLINE_S = 5.0
+#: consecutive missed pings before the server counts as unhealthy (LMCache: one). A server that died is found
+#: sooner by the port check before each request and each step's transfers, a hung one by the RPC timeouts of
+#: its lookups and stores; the heartbeat is the last word, so it waits for a second miss.
+PINGS_MISSED_TO_DEGRADE = 2
+#: how often a ping waiting for its answer checks that the server's port still accepts connections
+PING_SLICE_S = 0.25
 
 
 def _safe_vars(obj: Any) -> Any:
@@ -107,3 +126,91 @@ def lmcache_gather(context: Any, kv_caches: dict[str, Any], block_ids: list[int]
     return gather_paged_kv_to_cpu(kv_caches, block_ids, blocks_in_chunk, layout_hints=context._layout_hints,
                                   engine_kv_format=context._engine_kv_format, out=out, chunk_indices=chunk_indices,
                                   engine_type=context._engine_type)
+
+
+
+def patient_heartbeat(deadline_s: float = PING_DEADLINE_S, misses: int = PINGS_MISSED_TO_DEGRADE,
+                      log: Any = None, address: tuple[str, int] | None = None) -> bool:
+    """Replace LMCache's vLLM ``HeartbeatThread`` (the class its adapters look up when they start their heartbeat)
+    with one that waits ``deadline_s`` for each ping, not its interval, and clears the adapter's health flag only
+    after ``misses`` consecutive pings went unanswered; a miss before that is logged (``server.ping_missed``) and
+    changes nothing. Everything else is LMCache's cycle: the stop check, the recovery callback on the
+    unhealthy -> healthy edge (a flag cleared elsewhere recovers at the next answered ping, as before), its log
+    lines. Patience is for a server that answers late: where ``address`` (the server's TCP port) refuses a
+    connection the server is gone, and the flag is cleared at once, without a ping (a ping sent to a dead server
+    would wait out its deadline even after a restart). True when installed (idempotent: the first installation's
+    settings stay; a later ``address`` is taken)."""
+    try:
+        from lmcache.integration.vllm import vllm_multi_process_adapter as adapter
+        from lmcache.v1.periodic_thread import ThreadRunSummary
+    except ImportError:
+        return False
+    base = getattr(adapter, "HeartbeatThread", None)
+    if base is None:
+        return False
+    if getattr(base, "prefixshare_patient", False):
+        if address is not None:
+            base.prefixshare_address = address
+        return True
+
+    class PatientHeartbeat(base):  # type: ignore[misc, valid-type]
+        prefixshare_patient = True
+        prefixshare_deadline_s = deadline_s
+        prefixshare_misses = misses
+        prefixshare_missed = 0  # consecutive pings unanswered
+        prefixshare_address = address
+
+        def _execute(self) -> Any:
+            from prefixshare._net import connect_error
+
+            was_healthy = self._health_event.is_set()
+            deadline = max(self._interval, self.prefixshare_deadline_s)
+            where = self.prefixshare_address
+
+            def gone() -> bool:
+                return where is not None and isinstance(connect_error(where[0], where[1], timeout=0.5),
+                                                        ConnectionRefusedError)
+
+            healthy = False
+            if gone():
+                self.prefixshare_missed = self.prefixshare_misses  # no patience for a server that is not there
+            else:
+                try:
+                    future = self._req_client.ping(self._instance_id)
+                    end = time.monotonic() + deadline
+                    # wait for the answer in slices: a server that dies meanwhile is found at once, not at the
+                    # deadline (a ping sent before a restart is never answered by the new server)
+                    while not future.wait(min(PING_SLICE_S, max(0.0, end - time.monotonic()))):
+                        if time.monotonic() >= end or self.stop_requested:
+                            break
+                        if gone():
+                            self.prefixshare_missed = self.prefixshare_misses - 1
+                            break
+                    else:
+                        healthy = bool(future.result(timeout=0))
+                except Exception:  # noqa: BLE001 - as LMCache's send_ping: any failure is an unanswered ping
+                    healthy = False
+                self.prefixshare_missed = 0 if healthy else self.prefixshare_missed + 1
+            if self.stop_requested:
+                return ThreadRunSummary(success=True, message="stop requested; skipping health update")
+            if not healthy and was_healthy and self.prefixshare_missed < self.prefixshare_misses:
+                if log is not None:
+                    log.warning("server.ping_missed", missed=self.prefixshare_missed, deadline_s=deadline,
+                                degrade_after=self.prefixshare_misses,
+                                effect="the server still counts as healthy; nothing dropped")
+                return ThreadRunSummary(success=True, message="healthy (a ping missed)")
+            if healthy and not was_healthy and self._recover_callback is not None:
+                adapter.logger.warning("LMCache server is healthy again, triggering recovery callback")
+                healthy = self._recover_callback()
+            if healthy:
+                self._health_event.set()
+                if not was_healthy:
+                    adapter.logger.warning("LMCache server is healthy again — resuming normal operation")
+            else:
+                self._health_event.clear()
+                if was_healthy:
+                    adapter.logger.warning("LMCache server is unhealthy — entering degraded mode")
+            return ThreadRunSummary(success=True, message="healthy" if healthy else "unhealthy")
+
+    adapter.HeartbeatThread = PatientHeartbeat
+    return True

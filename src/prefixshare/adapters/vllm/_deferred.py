@@ -21,6 +21,11 @@ One thread, in submission order: stores of the same request reach the server in 
 produced. A store whose RPC fails or times out resolves False (the KV is simply not stored) and clears the
 worker's health flag, as a failed submit does (:class:`prefixshare.adapters.vllm.connector.WorkerSide`); the
 stores queued behind it are then dropped unsent, as LMCache drops a store submitted to a server it knows is down.
+Every store that does not reach the server is reported to ``on_failure`` with its reason (counted and logged).
+
+When LMCache's worker finds the server unhealthy it reports every store it tracks as finished, and vLLM frees
+their blocks: :meth:`DeferredStores.abandon` runs first, so that no store queued then is sent later (it is
+dropped) and the one being copied has finished reading its blocks.
 
 The copy itself is :mod:`prefixshare.adapters.vllm._store_copy`'s where the KV is vLLM's CPU layout (one pass,
 no OpenMP), LMCache's gather otherwise. Each store's copy runs on a thread of its own that ends with the store,
@@ -51,7 +56,7 @@ class DeferredStores:
     """One queue of stores per worker, shared by every transfer context the worker's adapter creates (a
     restarted server makes the adapter build a new one)."""
 
-    def __init__(self, rpc_timeout_s: float, on_failure: Callable[[str, BaseException | None], None],
+    def __init__(self, rpc_timeout_s: float, on_failure: Callable[[str, str, BaseException | None], None],
                  healthy: Callable[[], bool] = lambda: True,
                  on_first_copy: Callable[[bool], None] = lambda here: None) -> None:
         self.rpc_timeout_s = rpc_timeout_s
@@ -65,6 +70,8 @@ class DeferredStores:
         self._lock = threading.Lock()
         self._pending: set[threading.Event] = set()
         self._running: threading.Event | None = None  # the store the thread is on (its ``done``), if any
+        #: stores queued before the newest :meth:`abandon` are dropped unsent
+        self._generation = 0
         self._closed = False
         #: counters for tests and stats: stores queued, completed, failed; longest queue seen
         self.queued = 0
@@ -89,22 +96,25 @@ class DeferredStores:
                 completion.set_result(False)
                 return
             self._pending.add(done)
+            generation = self._generation
             self.queued += 1
             self.max_depth = max(self.max_depth, len(self._pending))
 
         def task() -> None:
             ok = False
             error: BaseException | None = None
+            reason = "refused"
             self._running = done
             try:
-                if not self.healthy():
+                if generation != self._generation or not self.healthy():
                     raise _Dropped
                 inner = on_own_thread(run, name="prefixshare-store-copy")
                 ok = bool(inner.result(timeout=self.rpc_timeout_s)) if inner is not None else False
             except _Dropped:
                 self.dropped += 1
+                reason = "server_down"
             except BaseException as exc:  # noqa: BLE001 - a store that fails is a store not made, never a crash
-                error = exc
+                error, reason = exc, "rpc_failed"
             finally:
                 with self._lock:
                     self._pending.discard(done)
@@ -116,7 +126,7 @@ class DeferredStores:
                 completion.set_result(ok)  # resolved before ``done``: a flush that returns sees it resolved
                 done.set()
             if not ok:
-                self.on_failure(request_id, error)
+                self.on_failure(request_id, reason, error)
 
         self._pool.submit(task)
 
@@ -126,6 +136,18 @@ class DeferredStores:
         self.own_copies += here
         if self.copies == 1:
             self.on_first_copy(here)
+
+    def abandon(self, timeout_s: float | None = None) -> int:
+        """Drop every store queued so far that has not started (each resolves False, reason ``server_down``),
+        and wait (at most ``timeout_s``, by default its RPCs' bound) for the one being made, which may be
+        reading its blocks. Returns how many were queued or running."""
+        with self._lock:
+            self._generation += 1
+            pending = len(self._pending)
+            running = self._running
+        if running is not None:
+            running.wait(self.rpc_timeout_s * 2 + DRAIN_GRACE_S if timeout_s is None else timeout_s)
+        return pending
 
     def depth(self) -> int:
         with self._lock:

@@ -93,6 +93,9 @@ class PrefixShareConnector(LMCacheMPConnector):
         extra.setdefault("lmcache.mp.host", f"tcp://{policy.server.host}")
         extra.setdefault("lmcache.mp.port", policy.server.port)
         address = _mp_address(extra)
+        # a late ping under load is not a lost server: its own deadline, two misses before degrading (LMCache
+        # drops every store in flight when it degrades); a refused port still degrades at once
+        _compat.patient_heartbeat(log=self.prefixshare.log, address=address)
         super().__init__(vllm_config, role, kv_cache_config)
         for side in ("scheduler_adapter", "worker_adapter"):
             adapter = getattr(self, side, None)
@@ -176,6 +179,11 @@ class PrefixShareConnector(LMCacheMPConnector):
         side.gate("RETRIEVE")
         with side.submitting("RETRIEVE"):
             super().start_load_kv(forward_context, **kwargs)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker_side is not None:
+            self.worker_side.before_get_finished()
+        return super().get_finished(finished_req_ids)
 
     def wait_for_save(self) -> None:
         side = self.worker_side
@@ -569,9 +577,29 @@ class WorkerSide:
         event = _compat.worker_health_event(getattr(self.connector, "worker_adapter", None))
         return event is None or event.is_set()
 
-    def _store_failed(self, request_id: str, error: BaseException | None) -> None:
-        """A deferred store that raised (its RPC to the server failed or timed out) clears the health flag, as
-        a failed submit does; one the server refused (False) is LMCache's to report."""
+    def before_get_finished(self) -> None:
+        """Before LMCache's worker reports finished transfers: when it finds the server unhealthy it reports every
+        store it tracks as finished (vLLM then frees their blocks) without sending what is not sent yet. Deferred
+        stores queued by then are dropped, and the one being copied is waited for, so that none reads blocks
+        vLLM has freed; without deferral, the stores LMCache drops this way are counted and logged here."""
+        adapter = getattr(self.connector, "worker_adapter", None)
+        if adapter is None or getattr(adapter, "is_healthy", True):
+            return
+        futures = getattr(adapter, "store_futures", None) or {}
+        if not futures:
+            return
+        if self.stores is not None:
+            self.stores.abandon()  # each dropped store is reported (and counted) by the queue itself
+            return
+        for request_id, future in list(futures.items()):
+            if not future.query():
+                self.connector.prefixshare.store_lost(request_id, "server_down")
+
+    def _store_failed(self, request_id: str, reason: str, error: BaseException | None) -> None:
+        """A deferred store that did not reach the server is counted and logged; one that raised (its RPC failed
+        or timed out) also clears the health flag, as a failed submit does."""
+        self.connector.prefixshare.store_lost(
+            request_id, reason, error=f"{type(error).__name__}: {error}"[:300] if error is not None else None)
         if error is None:
             return
         event = _compat.worker_health_event(getattr(self.connector, "worker_adapter", None))
