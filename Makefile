@@ -65,10 +65,13 @@ demo: $(STAMP)
 
 # The full benchmark (about 10 minutes on 2 CPU cores); writes docs/benchmarks.md and docs/benchmarks/.
 # Then the fleet under load against the same replicas without prefixshare (about 10 minutes;
-# docs/benchmarks/load.json, shown in docs/reliability.md by tests/faults/render.py --write).
+# docs/benchmarks/load.json, shown in docs/reliability.md by tests/faults/render.py --write), and the mission's
+# shared-document workload with the arms a user compares (about 25 minutes; docs/benchmarks/load-mission.md).
 bench: $(STAMP) services
 	$(VENV)/bin/prefixshare bench $(BENCH_ARGS)
 	$(PY) tests/load/fleet.py --full
+	$(PY) tests/load/mission.py --rates 1,2.5 --zero-rate 1 --duration 40 --reps 3
+	$(PY) tests/load/mission.py --render
 	$(PY) tests/lab/engines.py --full
 	$(PY) tests/lab/links.py --full
 	$(PY) tests/lab/sshfs_faults.py

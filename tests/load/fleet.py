@@ -208,9 +208,11 @@ class Fleet(contextlib.ExitStack):
     vllm-args``' printed command (one shared fs store); without, plain ``vllm serve`` replicas."""
 
     def __init__(self, work: Path, model: Path, *, prefixshare: bool, tag: str, verify_sample: float = 0.0,
-                 names: tuple[str, ...] = ("a", "b"), budget: str | None = None) -> None:
+                 names: tuple[str, ...] = ("a", "b"), budget: str | None = None,
+                 flags: list[str] | None = None) -> None:
         super().__init__()
         self.work, self.model, self.prefixshare, self.tag, self.names = work, model, prefixshare, tag, names
+        self.flags = SERVE_FLAGS if flags is None else flags
         self.verify_sample, self.budget = verify_sample, budget
         self.store = work / "store"
         self.nodes: dict[str, Node] = {}
@@ -236,7 +238,7 @@ class Fleet(contextlib.ExitStack):
                     env.update(printed)
                 else:
                     server, pfile, instance, argv = None, None, None, raw_command(self.model)
-                argv += ["--host", "127.0.0.1", "--port", str(port), *SERVE_FLAGS]
+                argv += ["--host", "127.0.0.1", "--port", str(port), *self.flags]
                 url = self.enter_context(http_server(argv, env, self.work / f"{self.tag}-{name}.log", port))
                 self.nodes[name] = Node(name, url, instance, server, pfile)
         except BaseException:
@@ -558,7 +560,7 @@ def summarize(run: Run, refs: dict[tuple[str, int], Answer] | None) -> dict[str,
     }
     if run.stats:
         out["connector"] = {name: {k: s.get(k) for k in ("requests", "hits", "tokens_loaded", "tokens_stored",
-                                                           "fallbacks", "verify")}
+                                                           "fallbacks", "verify", "stores_lost")}
                             for name, s in run.stats.items()}
     return out
 

@@ -202,6 +202,10 @@ def _md_header(results: dict[str, Any]) -> list[str]:
         "(*n* below), so a load and a prefix-cache hit both leave exactly one token to compute. "
         f"Medians of {s['runs']} runs (min–max in parentheses; every value in results.json) "
         f"(total {results['timings'].get('total_s', 0):.0f} s).",
+        "",
+        "These are single requests, one at a time. A fleet under concurrent load, with the arms a user compares "
+        "(raw vLLM with random and with document-affinity routing, prefixshare, the zero-reuse control), is "
+        "measured by its own run: [benchmarks/load-mission.md](benchmarks/load-mission.md).",
     ]
 
 

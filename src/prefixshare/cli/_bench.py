@@ -21,6 +21,8 @@ def _lengths(value: str | None) -> list[int] | None:
 
 
 def register(app: typer.Typer) -> None:
+    register_load(app)
+
     @app.command("bench")
     @handles_errors
     def bench_cmd(
@@ -187,3 +189,82 @@ def _render(results: dict) -> None:
         out.print(f"plot: {p}")
     if results.get("docs_path"):
         out.print(f"docs: {results['docs_path']}")
+
+
+def _range(value: str) -> tuple[int, int]:
+    from prefixshare.plan import parse_prompt_lengths
+
+    parts = [p for p in value.replace("-", ",").split(",") if p]
+    lengths = list(parse_prompt_lengths(",".join(parts)))
+    if len(lengths) == 1:
+        lengths *= 2
+    if len(lengths) != 2:
+        raise typer.BadParameter(f"{value!r}: give MIN-MAX, e.g. 1500-2500 or 2k-4k")
+    return lengths[0], lengths[1]
+
+
+def register_load(app: typer.Typer) -> None:
+    @app.command("bench-load")
+    @handles_errors
+    def bench_load_cmd(
+        urls: list[str] = typer.Option(..., "--url", help="A replica's base URL (repeat for each replica), e.g. "
+                                       "http://10.0.0.5:8000."),
+        documents: int = typer.Option(16, "--documents", min=1, help="Distinct documents."),
+        doc_tokens: str = typer.Option("1500-2500", "--doc-tokens", help="Document length range, tokens (MIN-MAX)."),
+        questions: int = typer.Option(8, "--questions-per-doc", min=1, max=8, help="Distinct questions per document."),
+        zipf: float = typer.Option(0.8, "--zipf", min=0.0, help="Zipf exponent of document popularity (0: uniform)."),
+        rates: str = typer.Option("1", "--rate", help="Requests per second, open loop (Poisson); several, comma-"
+                                  "separated, run one after another (e.g. 0.5,1,2 up to saturation)."),
+        duration: float = typer.Option(60.0, "--duration", min=1.0, help="Seconds of arrivals per rate."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the documents and the request stream."),
+        routing: str = typer.Option("random", "--routing", help="random | affinity (a document always to one "
+                                    "replica) | round_robin; use one URL (a router's) to let your router decide."),
+        unique: bool = typer.Option(False, "--zero-reuse", help="The control: every request a new document."),
+        tenants: str = typer.Option("acme,globex", "--tenants", help="Tenants, comma-separated (cache salts)."),
+        max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="Tokens generated per request."),
+        slo: float = typer.Option(2.0, "--ttft-slo", min=0.0, help="Goodput's TTFT bound, seconds."),
+        prefixshare_params: bool = typer.Option(True, "--prefixshare-params/--no-prefixshare-params",
+                                                help="Send the tenant and document id in kv_transfer_params (off "
+                                                "for replicas without prefixshare)."),
+        out_file: Path | None = typer.Option(None, "--out", help="Write the full result (every answer) here."),
+        json: bool = JSON_OPTION,
+    ) -> None:
+        """Load a fleet with the shared-document workload: open-loop arrivals, Zipf documents, several questions
+        each, spread over the replicas; report throughput, goodput at a TTFT SLO, TTFT/ITL percentiles, hits."""
+        import json as _json
+        import sys
+        import time
+        import uuid
+
+        from prefixshare.bench._load import Workload, run_load
+
+        runs = []
+        run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+        for rate in [float(r) for r in rates.split(",") if r.strip()]:
+            workload = Workload(documents=documents, doc_tokens=_range(doc_tokens), questions=questions, zipf=zipf,
+                                rate=rate, duration_s=duration, seed=seed, routing=routing, unique=unique,
+                                tenants=tuple(t for t in tenants.split(",") if t), max_tokens=max_tokens,
+                                ttft_slo_s=slo, prefixshare_params=prefixshare_params)
+            if not json:
+                out.print(f"rate {rate:g}/s for {duration:g} s, {routing} routing over {len(urls)} replica(s) ...")
+            runs.append(run_load(list(urls), workload))
+        result = {"run_id": run_id, "command": " ".join(["prefixshare", *sys.argv[1:]]), "runs": runs}
+        if out_file is not None:
+            out_file.write_text(_json.dumps(result, indent=1) + "\n")
+        if json:
+            emit_json({**result, "runs": [{k: v for k, v in r.items() if k != "answers"} for r in runs]})
+            return
+        table = Table(title=f"bench-load {run_id}: {documents} documents of {doc_tokens} tokens, zipf {zipf:g}, "
+                            f"{routing} routing" + (", zero reuse" if unique else ""))
+        for col in ("rate/s", "done", "errors", "req/s", f"goodput (TTFT<={slo:g}s)", "TTFT p50 ms", "TTFT p99 ms",
+                    "ITL p50 ms", "cached", "hits"):
+            table.add_column(col, justify="right")
+        for r in runs:
+            s = r["summary"]
+            table.add_row(f"{r['workload']['rate']:g}", str(s["completed"]), str(s["errors"]),
+                          f"{s['request_throughput']:.2f}", f"{s['goodput']:.2f}", str(s["p50_ttft_ms"]),
+                          str(s["p99_ttft_ms"]), str(s["p50_itl_ms"]), f"{(s['cached_fraction'] or 0):.0%}",
+                          f"{(s['hit_rate'] or 0):.0%}")
+        out.print(table)
+        if any(r["summary"]["errors"] for r in runs):
+            raise typer.Exit(EXIT_RUNTIME)
