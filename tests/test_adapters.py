@@ -633,3 +633,22 @@ def test_a_stalled_lookup_learns_within_a_probe_that_the_store_does_not_answer(
     time.sleep(0.1)
     assert rt.store_unreachable(later) is None  # answered: the wait goes on
     rt.close()
+
+
+def test_lost_stores_are_counted_where_they_are_made_and_merged_into_stats(tmp_path: Path, policy: Policy) -> None:
+    """A worker's lost stores (not the scheduler's counters) reach ``stats()``: every one counted by reason."""
+    from prefixshare.model import ensure_model
+
+    model = ensure_model(tmp_path.parent / "stats-model", shape="tiny", seed=0)
+    settings = EngineSettings(engine="vllm", kv_layout="vllm/cpu/NHD", kv_dtype="float32", block_size=32)
+    extra = {"prefixshare.policy": policy.to_dict(), "prefixshare.instance": "lossy"}
+    scheduler = ConnectorRuntime(extra, model_dir=str(model), settings=settings, role="scheduler")
+    worker = ConnectorRuntime(extra, model_dir=str(model), settings=settings, role="worker")
+    worker.store_lost("r1", "server_down")
+    worker.store_lost("r2", "server_down")
+    worker.store_lost("r3", "rpc_failed", error="LMCacheTimeoutError: PREPARE_STORE timed out")
+    scheduler.publish(force=True)
+    worker.publish(force=True)
+    stats = read_stats("lossy")
+    assert stats["stores_lost"] == {"server_down": 2, "rpc_failed": 1}
+    assert stats["processes"] == 2 and stats["requests"] == 0  # the worker adds no request counts
