@@ -112,9 +112,11 @@ LIMITS = """## Known limits
 Faults we could not make safe, or bounds we could only measure:
 
 * **A hung server costs one load timeout.** A SIGSTOPped server accepts TCP connections (the kernel does), so
-  the first request after it hangs waits for its lookup: up to `load.timeout_s` (LMCache's 1 s heartbeat
-  often gives up first), plus machine noise in the figures above. Later requests skip the store until its
-  health check answers. A killed
+  the first request after it hangs waits for its lookup: up to `load.timeout_s`, plus machine noise in the
+  figures above. Later requests skip the store until its health check answers. The connector's heartbeat
+  gives a ping 5 s and calls the server unhealthy after two unanswered pings (LMCache's own calls it
+  unhealthy after one ping later than its 1 s interval, and then drops every store in flight, which a
+  loaded server caused): a hung server is found first by its lookups' and stores' RPC timeouts. A killed
   server costs nothing measurable: its port refuses, and the connector checks it (one TCP connect, ~0.1 ms
   on the same host) before every lookup and before every store or load the worker submits.
 * **Before the fix, a dead server cost two RPC timeouts per stored request.** LMCache's worker submits a store

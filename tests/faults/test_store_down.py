@@ -28,7 +28,8 @@ from prefixshare.server import LMCacheServer
 pytestmark = [pytest.mark.engine, pytest.mark.server]
 
 DOC = 640
-RECOVERY_WAIT_S = 3.0  # LMCache's heartbeat (1 s) and our probe (1 s) both notice a returned server within this
+RECOVERY_WAIT_S = 3.0  # the heartbeat (every 1 s: a refused port degrades at once) and our probe (1 s) notice a
+# returned server within this
 
 
 class Store:
@@ -218,8 +219,8 @@ def test_server_hung_costs_at_most_one_timeout_then_resumes(
     assert during["requests"] == len(names) and during["hits"] == 0, during
     timeouts = during["fallback_reasons"].get("lookup_timeout", 0)
     skipped = during["fallback_reasons"].get("store_down", 0)
-    # the first waits for the lookup (our timeout, or LMCache's heartbeat losing the server, whichever first);
-    # the second skips the store at once
+    # the first waits for the lookup (our timeout, or LMCache's lookup RPC timing out, whichever first); the second
+    # skips the store at once, or, before the server's health flag is cleared, waits out its own lookup
     assert timeouts + skipped == during["fallbacks"] == 2, during
     after = run["by_name"]["unhung-a"]
     assert after["num_cached_tokens"] >= 0.9 * DOC
@@ -228,8 +229,8 @@ def test_server_hung_costs_at_most_one_timeout_then_resumes(
     c = counters(run, "hung-h", "unhung-a")
     assert c["hits"] == 1, c
     record(Row("store down", "MP server hung (SIGSTOP: port open, no answers), then continued (SIGCONT)",
-               "the first request waits for its lookup (at most the load timeout; LMCache's 1 s heartbeat often "
-               "gives up first) and recomputes without storing; later ones skip the store until its health "
+               "the first request waits for its lookup (at most the load timeout) and recomputes without "
+               "storing; later ones skip the store once a timed-out RPC has marked it down, until its health "
                "check answers; hits resume after SIGCONT",
                **row_counters(c), identical_to_cold=same, max_added_latency_s=worst, budget_s=budget,
                extra={"fallback_reasons": c["fallback_reasons"], "server_state_during": hung["proc_state"],
