@@ -5,6 +5,7 @@ Replicas are fresh processes (:mod:`prefixshare.bench._replica`); the throttled 
 loading is an LMCache L2 plugin (:mod:`prefixshare.bench._throttle`) loaded by the MP server.
 """
 
+from prefixshare.bench._load import Workload, run_load
 from prefixshare.bench._measured import (
     TierLink,
     flat_prefill,
@@ -17,6 +18,6 @@ from prefixshare.bench._measured import (
 from prefixshare.bench._run import Settings, render_results, run_bench
 from prefixshare.bench._tiers import TierBenchSettings, measure_tiers, write_docs, write_results
 
-__all__ = ["Settings", "TierBenchSettings", "TierLink", "flat_prefill", "measure_tier_links", "measure_tiers",
-           "measured_plan", "measured_prefill", "persisted_prefill", "prefill_lengths", "render_results", "run_bench",
-           "write_docs", "write_results"]
+__all__ = ["Settings", "TierBenchSettings", "TierLink", "Workload", "flat_prefill", "measure_tier_links",
+           "measure_tiers", "measured_plan", "measured_prefill", "persisted_prefill", "prefill_lengths",
+           "render_results", "run_bench", "run_load", "write_docs", "write_results"]

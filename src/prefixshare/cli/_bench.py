@@ -236,7 +236,7 @@ def register_load(app: typer.Typer) -> None:
         import time
         import uuid
 
-        from prefixshare.bench._load import Workload, run_load
+        from prefixshare.bench import Workload, run_load
 
         runs = []
         run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]

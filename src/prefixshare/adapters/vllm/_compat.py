@@ -161,56 +161,65 @@ def patient_heartbeat(deadline_s: float = PING_DEADLINE_S, misses: int = PINGS_M
         prefixshare_address = address
 
         def _execute(self) -> Any:
-            from prefixshare._net import connect_error
-
-            was_healthy = self._health_event.is_set()
-            deadline = max(self._interval, self.prefixshare_deadline_s)
-            where = self.prefixshare_address
-
-            def gone() -> bool:
-                return where is not None and isinstance(connect_error(where[0], where[1], timeout=0.5),
-                                                        ConnectionRefusedError)
-
-            healthy = False
-            if gone():
-                self.prefixshare_missed = self.prefixshare_misses  # no patience for a server that is not there
-            else:
-                try:
-                    future = self._req_client.ping(self._instance_id)
-                    end = time.monotonic() + deadline
-                    # wait for the answer in slices: a server that dies meanwhile is found at once, not at the
-                    # deadline (a ping sent before a restart is never answered by the new server)
-                    while not future.wait(min(PING_SLICE_S, max(0.0, end - time.monotonic()))):
-                        if time.monotonic() >= end or self.stop_requested:
-                            break
-                        if gone():
-                            self.prefixshare_missed = self.prefixshare_misses - 1
-                            break
-                    else:
-                        healthy = bool(future.result(timeout=0))
-                except Exception:  # noqa: BLE001 - as LMCache's send_ping: any failure is an unanswered ping
-                    healthy = False
-                self.prefixshare_missed = 0 if healthy else self.prefixshare_missed + 1
-            if self.stop_requested:
-                return ThreadRunSummary(success=True, message="stop requested; skipping health update")
-            if not healthy and was_healthy and self.prefixshare_missed < self.prefixshare_misses:
-                if log is not None:
-                    log.warning("server.ping_missed", missed=self.prefixshare_missed, deadline_s=deadline,
-                                degrade_after=self.prefixshare_misses,
-                                effect="the server still counts as healthy; nothing dropped")
-                return ThreadRunSummary(success=True, message="healthy (a ping missed)")
-            if healthy and not was_healthy and self._recover_callback is not None:
-                adapter.logger.warning("LMCache server is healthy again, triggering recovery callback")
-                healthy = self._recover_callback()
-            if healthy:
-                self._health_event.set()
-                if not was_healthy:
-                    adapter.logger.warning("LMCache server is healthy again — resuming normal operation")
-            else:
-                self._health_event.clear()
-                if was_healthy:
-                    adapter.logger.warning("LMCache server is unhealthy — entering degraded mode")
-            return ThreadRunSummary(success=True, message="healthy" if healthy else "unhealthy")
+            return _patient_cycle(self, adapter, ThreadRunSummary, log)
 
     adapter.HeartbeatThread = PatientHeartbeat
     return True
+
+
+def _server_gone(address: tuple[str, int] | None) -> bool:
+    """The server's TCP port refuses connections (nothing listens: not a slow server, a gone one)."""
+    from prefixshare._net import connect_error
+
+    return address is not None and isinstance(connect_error(address[0], address[1], timeout=0.5),
+                                              ConnectionRefusedError)
+
+
+def _ping(beat: Any, deadline: float) -> bool:
+    """One ping of ``beat``'s server, answered within ``deadline``. The wait is in slices: a server whose port
+    refuses meanwhile ends it at once, counted as the last allowed miss (a ping sent before a restart is never
+    answered by the new server)."""
+    try:
+        future = beat._req_client.ping(beat._instance_id)
+        end = time.monotonic() + deadline
+        while not future.wait(min(PING_SLICE_S, max(0.0, end - time.monotonic()))):
+            if time.monotonic() >= end or beat.stop_requested:
+                return False
+            if _server_gone(beat.prefixshare_address):
+                beat.prefixshare_missed = beat.prefixshare_misses - 1
+                return False
+        return bool(future.result(timeout=0))
+    except Exception:  # noqa: BLE001 - as LMCache's send_ping: any failure is an unanswered ping
+        return False
+
+
+def _patient_cycle(beat: Any, adapter: Any, summary: Any, log: Any) -> Any:
+    """One heartbeat cycle of :func:`patient_heartbeat`'s thread ``beat``; LMCache's cycle past the ping."""
+    was_healthy = beat._health_event.is_set()
+    deadline = max(beat._interval, beat.prefixshare_deadline_s)
+    if _server_gone(beat.prefixshare_address):
+        healthy = False
+        beat.prefixshare_missed = beat.prefixshare_misses  # no patience for a server that is not there
+    else:
+        healthy = _ping(beat, deadline)
+        beat.prefixshare_missed = 0 if healthy else beat.prefixshare_missed + 1
+    if beat.stop_requested:
+        return summary(success=True, message="stop requested; skipping health update")
+    if not healthy and was_healthy and beat.prefixshare_missed < beat.prefixshare_misses:
+        if log is not None:
+            log.warning("server.ping_missed", missed=beat.prefixshare_missed, deadline_s=deadline,
+                        degrade_after=beat.prefixshare_misses, effect="the server still counts as healthy; "
+                        "nothing dropped")
+        return summary(success=True, message="healthy (a ping missed)")
+    if healthy and not was_healthy and beat._recover_callback is not None:
+        adapter.logger.warning("LMCache server is healthy again, triggering recovery callback")
+        healthy = beat._recover_callback()
+    if healthy:
+        beat._health_event.set()
+        if not was_healthy:
+            adapter.logger.warning("LMCache server is healthy again — resuming normal operation")
+    else:
+        beat._health_event.clear()
+        if was_healthy:
+            adapter.logger.warning("LMCache server is unhealthy — entering degraded mode")
+    return summary(success=True, message="healthy" if healthy else "unhealthy")
