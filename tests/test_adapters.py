@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import typer
 from typer.testing import CliRunner
 
 from conftest import free_port
 from prefixshare import PrefixShare
-from prefixshare.keys import namespace, tenant_salt
+from prefixshare.keys import namespace, store_salt, tenant_salt
 from prefixshare.runtime import ConnectorRuntime, read_stats
 from prefixshare.adapters.vllm import CONNECTOR, CONNECTOR_MODULE, engine_kwargs, kv_transfer_config
 from prefixshare.errors import PolicyError, PrefixShareError, ServerError
@@ -140,7 +142,8 @@ def test_runtime_namespace_admission_salt_and_stats(tmp_path: Path, policy: Poli
     short = rt.begin("r1", list(range(100)), None)
     assert not short.admitted and short.reason.startswith("min_tokens")
     long = rt.begin("r2", list(range(300)), {"prefixshare.tenant": "acme", "prefixshare.document_id": "d"})
-    assert long.admitted and rt.salt(long, None) == "t-acme" and rt.salt(long, "x") == "t-acme-x"
+    assert long.admitted and rt.salt(long, None) == "t-acme" and rt.salt(long, "t-acme") == "t-acme"
+    assert rt.salt(long, "x") == store_salt("acme", "x") and rt.salt(long, "x").startswith("s-")
     off = rt.begin("r3", list(range(300)), {"prefixshare.store": False})
     assert not off.admitted
     rt.lookup_done(long, 256, 0.01)
@@ -652,3 +655,35 @@ def test_lost_stores_are_counted_where_they_are_made_and_merged_into_stats(tmp_p
     stats = read_stats("lossy")
     assert stats["stores_lost"] == {"server_down": 2, "rpc_failed": 1}
     assert stats["processes"] == 2 and stats["requests"] == 0  # the worker adds no request counts
+
+
+# --- store salts: distinct (tenant, LoRA, request salt) never meet ---------------------------------------------
+_COMPONENT = st.one_of(st.none(), st.text(alphabet="ab-_.t/@r:s0", min_size=0, max_size=8),
+                       st.sampled_from(["t-a", "t-a-b", "a-b", "r-x", "s-", "lora-0"]))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_COMPONENT, _COMPONENT, _COMPONENT, _COMPONENT, _COMPONENT, _COMPONENT)
+def test_distinct_triples_never_give_the_same_store_salt(t1, l1, r1, t2, l2, r2) -> None:
+    def canonical(t: str | None, lora: str | None, r: str | None) -> tuple:
+        t, lora, r = t or None, lora or None, r or None
+        if t and r == tenant_salt(t):  # the engine's salt set to the tenant's is the same request
+            r = None
+        return t, lora, r
+
+    a, b = store_salt(t1, r1, l1), store_salt(t2, r2, l2)
+    if canonical(t1, l1, r1) != canonical(t2, l2, r2):
+        assert a != b, ((t1, l1, r1), (t2, l2, r2), a)
+    else:
+        assert a == b
+    for salt in (a, b):
+        assert salt is None or ("@" not in salt and "/" not in salt and len(salt) <= 128)
+
+
+def test_the_old_join_collided_and_a_request_salt_cannot_stand_for_a_tenant() -> None:
+    # under the old rule ("-".join) these pairs were the same salt: a tenant named with the separator, and a
+    # request salt shaped like the tenant's
+    assert store_salt("a-b", None) != store_salt("a", "b")
+    assert store_salt(None, "t-acme") != store_salt("acme", None) == "t-acme"
+    assert store_salt("acme", None, "x") != store_salt("acme", "lora-" + "0" * 12)
+    assert store_salt(None, "x") == "r-x" and store_salt(None, "a/b").startswith("rh-")

@@ -168,7 +168,7 @@ def test_a_hit_is_set_aside_and_its_replay_is_keyed_like_the_request(runtime: Co
     # a token for another prompt (or none of this replica's) loads nothing, under the engine's own salt
     other = runtime.begin("v2", ids[:-1], {REQ_VERIFY: kept.token, REQ_LOAD: "always"})
     assert runtime.load_mode(other) == "never" and not other.admitted
-    assert runtime.salt(other, "verify-x") == "verify-x"
+    assert runtime.salt(other, "verify-x") == "r-verify-x"  # the engine's own salt, as a request salt alone
     runtime.publish(force=True)
     assert read_stats("replica-a")["verify"]["sampled"] == 1
 

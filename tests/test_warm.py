@@ -13,7 +13,7 @@ import pytest
 
 from conftest import free_port
 from prefixshare import PrefixShare
-from prefixshare.keys import namespace
+from prefixshare.keys import namespace, store_salt
 from prefixshare.runtime import ConnectorRuntime, RequestInfo
 from prefixshare.fingerprint import EngineSettings, compute_fingerprint
 from prefixshare.policies import Policy
@@ -751,7 +751,7 @@ def test_sglang_prompts_carry_the_document_prefix_and_tenant_salt_in_sglangs_fie
                                     "prefixshare.prefix_tokens": prompt.prefix_tokens}
     assert kw["rid"] != prompt.sglang_kwargs()["rid"]  # SGLang request ids must be unique
     salted = prompt_for(ps, doc, "Q?", engine=eng, tenant="acme", cache_salt="s1").sglang_kwargs()
-    assert salted["cache_salt"] == expected_salt("acme", "s1") == "t-acme-s1"
+    assert salted["cache_salt"] == expected_salt("acme", "s1") == store_salt("acme", "s1")
     assert "cache_salt" not in prompt_for(ps, doc, "Q?", engine=eng).sglang_kwargs()
 
 

@@ -54,23 +54,31 @@ def tenant_salt(tenant: str) -> str:
 
 
 def store_salt(tenant: str | None, request_salt: str | None, lora_name: str | None = None) -> str | None:
-    """The cache salt a request's store keys carry: its tenant's, its LoRA adapter's and its own salt, joined.
+    """The cache salt a request's store keys carry, from its tenant, its LoRA adapter and its own salt.
 
-    The engine's own salt set to the tenant's (what ``prompt_for`` does, to split the engine's prefix cache by
-    tenant too) is not a second component: the store key is the same with or without it. Salts may not hold
-    '@' or '/' (they are part of file names), so a long or unsafe one becomes a digest.
+    Distinct ``(tenant, LoRA, request salt)`` never give the same salt (short of a 160-bit digest collision), and
+    no request salt can stand for a tenant: a tenant alone is ``t-<tenant>`` (:func:`tenant_salt`), a request's
+    own salt alone ``r-<salt>`` (``rh-`` and a digest when unsafe), and any combination ``s-`` and a digest of the components, each tagged and
+    length-prefixed, so that a separator inside a tenant's name or a salt cannot move a boundary. The engine's
+    own salt set to the tenant's (what ``prompt_for`` does, to split the engine's prefix cache by tenant too) is
+    not a second component: the store key is the same with or without it. Salts hold no '@' or '/' (they are
+    part of file names): an unsafe or long component is digested.
     """
-    parts = [tenant_salt(tenant)] if tenant else []
-    if lora_name:
-        parts.append("lora-" + blake3.blake3(lora_name.encode()).hexdigest()[:12])
-    if request_salt and not (parts and request_salt == parts[0] and tenant):
-        parts.append(request_salt)
+    if tenant and request_salt == tenant_salt(tenant):
+        request_salt = None
+    parts = [(tag, value) for tag, value in (("tenant", tenant), ("lora", lora_name), ("request", request_salt))
+             if value]
     if not parts:
-        return request_salt
-    salt = "-".join(parts)
-    return salt if len(salt) <= 128 and "@" not in salt and "/" not in salt else (
-        "s-" + blake3.blake3(salt.encode()).hexdigest()[:40]
-    )
+        return None
+    if parts == [("tenant", tenant)]:
+        return tenant_salt(tenant)  # type: ignore[arg-type]
+    if parts == [("request", request_salt)]:
+        assert request_salt is not None
+        if _SAFE.match(request_salt):
+            return "r-" + request_salt
+        return "rh-" + blake3.blake3(request_salt.encode()).hexdigest()[:40]
+    encoded = b"".join(b"%s:%d:%s" % (tag.encode(), len(value.encode()), value.encode()) for tag, value in parts)
+    return "s-" + blake3.blake3(b"prefixshare-store-salt\0" + encoded).hexdigest()[:40]
 
 
 @functools.lru_cache(maxsize=256)

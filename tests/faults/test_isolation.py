@@ -77,6 +77,14 @@ def run(work: Path, model: Path, docs: dict[str, list[int]], server: LMCacheServ
     steps.append(gen("local-acme-2", docs["j"], params={"prefixshare.tenant": "acme"}, cache_salt="t-acme"))
     steps.append(gen("local-globex-salted", docs["j"], params={"prefixshare.tenant": "globex"},
                      cache_salt="t-globex", reset=False))
+    # salts that a joined rule ("-".join of tenant, LoRA, request salt) made equal: a tenant named with the
+    # separator vs another tenant plus a request salt; a request with no tenant whose own salt is a tenant's
+    steps.append(gen("collide-a-b", docs["a"], params={"prefixshare.tenant": "a-b"}))
+    steps.append(gen("collide-a+b", docs["a"], params={"prefixshare.tenant": "a"}, cache_salt="b"))
+    steps.append(gen("collide-a-b-again", docs["a"], params={"prefixshare.tenant": "a-b"}))
+    steps.append(gen("spoof-acme", docs["b"], params={"prefixshare.tenant": "acme"}))
+    steps.append(gen("spoof-untenanted", docs["b"], cache_salt="t-acme"))
+    steps.append(gen("spoof-acme-again", docs["b"], params={"prefixshare.tenant": "acme"}))
     return run_steps(work, "isolation", model, server.policy, steps)
 
 
@@ -131,6 +139,25 @@ def test_tenants_never_hit_each_other_including_warmed_documents(
                **row_counters(c), identical_to_cold=all(same.values()),
                extra={"cross_tenant_requests": len(cross),
                       "cross_tenant_hits": sum(1 for n in cross if hits[n] > 0), **present}))
+
+
+@pytest.mark.engine
+@pytest.mark.server
+def test_salts_that_a_joined_rule_made_equal_load_nothing_from_each_other(run: dict[str, Any],
+                                                                          cold: dict[str, Any]) -> None:
+    by = run["by_name"]
+    cached = {n: by[n]["num_cached_tokens"] for n in by if n.startswith(("collide-", "spoof-"))}
+    # the fault is real: the first writer's KV is in the store (its own tenant's repeat loads it) ...
+    assert cached["collide-a-b-again"] >= 576 and cached["spoof-acme-again"] >= 576, cached
+    # ... and the colliding salt and the spoofing salt asked for exactly those chunks, and got none
+    assert cached["collide-a+b"] == 0 and cached["spoof-untenanted"] == 0, cached
+    same = {n: identical(by[n], cold["a" if n.startswith("collide") else "b"]) for n in cached}
+    assert all(same.values()), same
+    record(Row("isolation and exposure", "salts a joined rule made equal: tenant 'a-b' vs tenant 'a' with "
+               "cache_salt 'b'; an untenanted request with cache_salt 't-acme' (tenant acme's salt)",
+               "0 tokens loaded across; each first writer's own tenant loads its KV (576+ tokens); answers "
+               "identical to a cold engine", **row_counters(counters(run, "collide-a-b", "spoof-acme-again")),
+               identical_to_cold=all(same.values()), extra={"cached_tokens": cached}))
 
 
 @pytest.mark.engine
