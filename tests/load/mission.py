@@ -154,7 +154,8 @@ def ratios(runs: list[dict[str, Any]], arm: str, base: str) -> dict[str, Any]:
 
 
 def mission(work: Path, *, rates: list[float], zero_rate: float, duration_s: float, reps: int, documents: int,
-            doc_tokens: tuple[int, int], slo_s: float, log: Any) -> dict[str, Any]:
+            doc_tokens: tuple[int, int], slo_s: float, log: Any, blocks: int = BLOCKS,
+            zero_only: bool = False) -> dict[str, Any]:
     from prefixshare.bench._load import Workload, document_texts, run_load
     from prefixshare.model import create_model
 
@@ -163,18 +164,19 @@ def mission(work: Path, *, rates: list[float], zero_rate: float, duration_s: flo
                     max_tokens=16, request_timeout_s=300)
     texts = document_texts(base)
     runs: list[dict[str, Any]] = []
-    with Fleet(work, model, prefixshare=False, tag="raw", flags=FLAGS) as raw, \
-            Fleet(work, model, prefixshare=True, tag="ps", flags=FLAGS) as ps:
+    flags = [*FLAGS[:-1], str(blocks)]
+    with Fleet(work, model, prefixshare=False, tag="raw", flags=flags) as raw, \
+            Fleet(work, model, prefixshare=True, tag="ps", flags=flags) as ps:
         fleets = {False: raw, True: ps}
         urls = {k: [n.url for n in f.nodes.values()] for k, f in fleets.items()}
-        head = {"raw_s": prime(urls[False], texts, base, each_replica=True),
-                "prefixshare_s": prime(urls[True], texts, base, each_replica=False)}
+        head = {} if zero_only else {"raw_s": prime(urls[False], texts, base, each_replica=True),
+                                     "prefixshare_s": prime(urls[True], texts, base, each_replica=False)}
         log(f"head start: {head}")
         time.sleep(2.0)  # the last stores land
         arms = list(ARMS)
         for rep in range(reps):
             order = arms[rep % len(arms):] + arms[:rep % len(arms)]
-            for rate in rates:
+            for rate in [] if zero_only else rates:
                 for name, with_ps, routing in order:
                     w = replace(base, rate=rate, routing=routing, seed=rep, prefixshare_params=with_ps)
                     result = run_load(urls[with_ps], w, texts=texts)
@@ -193,7 +195,7 @@ def mission(work: Path, *, rates: list[float], zero_rate: float, duration_s: flo
     summary = table(runs)
     result = {
         **_meta(), "kind": "load-mission", "model": "demo (8 layers, 8,192 KV bytes/token)",
-        "blocks_per_replica": BLOCKS, "serve_flags": FLAGS, "serve_env": SERVE_ENV,
+        "blocks_per_replica": blocks, "serve_flags": flags, "serve_env": SERVE_ENV,
         "workload": {**base.__dict__, "rates": rates, "zero_rate": zero_rate, "reps": reps},
         "head_start": head, "table": summary, "correctness": correctness, "stores_lost": lost,
         "connector": {name: {k: s.get(k) for k in ("requests", "hits", "tokens_loaded", "tokens_stored", "fallbacks",
@@ -330,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=HERE.parents[1] / "docs" / "benchmarks" / "load-mission.json")
     parser.add_argument("--render", action="store_true", help="measure nothing: write --out's page (.md) from it")
+    parser.add_argument("--blocks", type=int, default=BLOCKS, help="KV cache blocks per replica (32 tokens each)")
+    parser.add_argument("--zero-only", action="store_true", help="only the zero-reuse control (an experiment)")
     args = parser.parse_args(argv)
     if args.render:
         args.out.with_suffix(".md").write_text(render(json.loads(args.out.read_text())))
@@ -351,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = mission(work, rates=[float(r) for r in args.rates.split(",")], zero_rate=args.zero_rate,
                      duration_s=args.duration, reps=args.reps, documents=args.documents, doc_tokens=(low, high),
-                     slo_s=args.slo, log=log)
+                     slo_s=args.slo, log=log, blocks=args.blocks, zero_only=args.zero_only)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     sys.stdout.write(f"load-mission {result['run_id']}: " + ", ".join(
