@@ -209,10 +209,11 @@ class Fleet(contextlib.ExitStack):
 
     def __init__(self, work: Path, model: Path, *, prefixshare: bool, tag: str, verify_sample: float = 0.0,
                  names: tuple[str, ...] = ("a", "b"), budget: str | None = None,
-                 flags: list[str] | None = None) -> None:
+                 flags: list[str] | None = None, server: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.work, self.model, self.prefixshare, self.tag, self.names = work, model, prefixshare, tag, names
         self.flags = SERVE_FLAGS if flags is None else flags
+        self.server_settings = server or {}  #: policy.server fields to change (e.g. max_workers)
         self.verify_sample, self.budget = verify_sample, budget
         self.store = work / "store"
         self.nodes: dict[str, Node] = {}
@@ -231,6 +232,9 @@ class Fleet(contextlib.ExitStack):
                         "admission": {"all": [{"min_tokens": 256}, {"byte_budget": {"max": self.budget}}]}}
                     policy = policy_for(self.store, verify={"sample": self.verify_sample, "max_per_minute": 600},
                                         **extra)
+                    if self.server_settings:
+                        policy = policy.model_copy(
+                            update={"server": policy.server.model_copy(update=self.server_settings)})
                     server = self.enter_context(LMCacheServer(policy))
                     pfile = write_policy_file(self.work / f"policy-{name}.yaml", server.policy)
                     instance = f"{self.tag}-{name}"

@@ -155,7 +155,7 @@ def ratios(runs: list[dict[str, Any]], arm: str, base: str) -> dict[str, Any]:
 
 def mission(work: Path, *, rates: list[float], zero_rate: float, duration_s: float, reps: int, documents: int,
             doc_tokens: tuple[int, int], slo_s: float, log: Any, blocks: int = BLOCKS,
-            zero_only: bool = False) -> dict[str, Any]:
+            zero_only: bool = False, server_workers: int | None = None) -> dict[str, Any]:
     from prefixshare.bench._load import Workload, document_texts, run_load
     from prefixshare.model import create_model
 
@@ -166,7 +166,8 @@ def mission(work: Path, *, rates: list[float], zero_rate: float, duration_s: flo
     runs: list[dict[str, Any]] = []
     flags = [*FLAGS[:-1], str(blocks)]
     with Fleet(work, model, prefixshare=False, tag="raw", flags=flags) as raw, \
-            Fleet(work, model, prefixshare=True, tag="ps", flags=flags) as ps:
+            Fleet(work, model, prefixshare=True, tag="ps", flags=flags,
+                  server={"max_workers": server_workers} if server_workers else None) as ps:
         fleets = {False: raw, True: ps}
         urls = {k: [n.url for n in f.nodes.values()] for k, f in fleets.items()}
         head = {} if zero_only else {"raw_s": prime(urls[False], texts, base, each_replica=True),
@@ -197,6 +198,7 @@ def mission(work: Path, *, rates: list[float], zero_rate: float, duration_s: flo
         **_meta(), "kind": "load-mission", "model": "demo (8 layers, 8,192 KV bytes/token)",
         "blocks_per_replica": blocks, "serve_flags": flags, "serve_env": SERVE_ENV,
         "workload": {**base.__dict__, "rates": rates, "zero_rate": zero_rate, "reps": reps},
+        "server_workers": server_workers,
         "head_start": head, "table": summary, "correctness": correctness, "stores_lost": lost,
         "connector": {name: {k: s.get(k) for k in ("requests", "hits", "tokens_loaded", "tokens_stored", "fallbacks",
                                                     "stores_lost")} for name, s in stats.items()},
@@ -334,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", action="store_true", help="measure nothing: write --out's page (.md) from it")
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="KV cache blocks per replica (32 tokens each)")
     parser.add_argument("--zero-only", action="store_true", help="only the zero-reuse control (an experiment)")
+    parser.add_argument("--server-workers", type=int, default=None, help="the MP servers' --max-workers")
     args = parser.parse_args(argv)
     if args.render:
         args.out.with_suffix(".md").write_text(render(json.loads(args.out.read_text())))
@@ -355,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = mission(work, rates=[float(r) for r in args.rates.split(",")], zero_rate=args.zero_rate,
                      duration_s=args.duration, reps=args.reps, documents=args.documents, doc_tokens=(low, high),
-                     slo_s=args.slo, log=log, blocks=args.blocks, zero_only=args.zero_only)
+                     slo_s=args.slo, log=log, blocks=args.blocks, zero_only=args.zero_only,
+                     server_workers=args.server_workers)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     sys.stdout.write(f"load-mission {result['run_id']}: " + ", ".join(
