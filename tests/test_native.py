@@ -111,3 +111,5 @@ def test_a_server_that_dies_of_a_missing_library_names_it() -> None:
     assert "libibverbs.so.1" in cause and "apt-get install libibverbs1" in cause, cause
     other = _likely_cause("ImportError: libfoo.so.3: cannot open shared object file: No such file or directory")
     assert "libfoo.so.3" in other and "libibverbs" not in other, other
+    emptied = _likely_cause("ImportError: /lib/x86_64-linux-gnu/libibverbs.so.1: file too short")
+    assert "libibverbs.so.1" in emptied and "apt-get install libibverbs1" in emptied, emptied

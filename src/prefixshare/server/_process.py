@@ -75,8 +75,9 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text[-lines:])
 
 
-#: the loader's message for a native library it cannot find: "libX.so.1: cannot open shared object file"
-_MISSING_LIBRARY = re.compile(r"([\w.+-]+\.so[\w.]*): cannot open shared object file")
+#: the loader's message for a native library it cannot load: "ImportError: libX.so.1: cannot open shared object
+#: file ..." (missing), "... file too short" (damaged or emptied), "... wrong ELF class"
+_MISSING_LIBRARY = re.compile(r"ImportError: ([^\s:]*\.so[\w.]*): ")
 
 
 def _likely_cause(log: str) -> str:
@@ -84,7 +85,8 @@ def _likely_cause(log: str) -> str:
     if missing is not None:
         library = missing.group(1)
         hint = f"; {NATIVE_HINTS['mooncake']}" if "ibverbs" in library else ""
-        return f"the native library {library} is missing on this host (see the traceback above for who needs it){hint}"
+        return (f"the native library {library} cannot be loaded on this host (see the traceback above for who "
+                f"needs it){hint}")
     for needle, cause in _LIKELY_CAUSES:
         if needle in log:
             return cause
