@@ -58,8 +58,9 @@ def store_salt(tenant: str | None, request_salt: str | None, lora_name: str | No
 
     Distinct ``(tenant, LoRA, request salt)`` never give the same salt (short of a 160-bit digest collision), and
     no request salt can stand for a tenant: a tenant alone is ``t-<tenant>`` (:func:`tenant_salt`), a request's
-    own salt alone ``r-<salt>`` (``rh-`` and a digest when unsafe), and any combination ``s-`` and a digest of the components, each tagged and
-    length-prefixed, so that a separator inside a tenant's name or a salt cannot move a boundary. The engine's
+    own salt alone ``r-<salt>`` (``rh-`` and a digest when unsafe), and any combination ``s-`` and a digest of
+    the components, each tagged and length-prefixed, so that a separator inside a tenant's name or a salt cannot
+    move a boundary. The engine's
     own salt set to the tenant's (what ``prompt_for`` does, to split the engine's prefix cache by tenant too) is
     not a second component: the store key is the same with or without it. Salts hold no '@' or '/' (they are
     part of file names): an unsafe or long component is digested.

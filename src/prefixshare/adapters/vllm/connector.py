@@ -598,8 +598,8 @@ class WorkerSide:
     def _store_failed(self, request_id: str, reason: str, error: BaseException | None) -> None:
         """A deferred store that did not reach the server is counted and logged; one that raised (its RPC failed
         or timed out) also clears the health flag, as a failed submit does."""
-        self.connector.prefixshare.store_lost(
-            request_id, reason, error=f"{type(error).__name__}: {error}"[:300] if error is not None else None)
+        text = f"{type(error).__name__}: {error}"[:300] if error is not None else None
+        self.connector.prefixshare.store_lost(request_id, reason, error=text)
         if error is None:
             return
         event = _compat.worker_health_event(getattr(self.connector, "worker_adapter", None))
@@ -607,7 +607,7 @@ class WorkerSide:
             event.clear()
         self.connector.prefixshare.log.warning(
             "store.transfer_failed", side="worker", direction="store", deferred=True, request_id=request_id,
-            error=f"{type(error).__name__}: {error}"[:300],
+            error=text,
             action="this request's KV is not stored; later stores dropped until the server answers")
 
     def check_format(self, kv_caches: dict[str, Any]) -> None:
