@@ -11,6 +11,11 @@
   LMCache's synchronous store (reserve the server's chunk buffers, fill them, commit) and the pieces of its
   context they need, for the store whose fill :mod:`prefixshare.adapters.vllm._store_copy` makes itself.
 * :func:`apply` — a guarded fix for one vLLM 0.32 bug that breaks in-process engines once LMCache is imported.
+* :func:`serialize_lookups`, :func:`lookup_futures` — LMCache's scheduler adapter advances a lookup (LOOKUP,
+  its acknowledgement, the prefetch status query and its answer) only when the scheduler asks for its result,
+  one step per engine pass; prefixshare's lookup pump (:class:`prefixshare.adapters.vllm.connector.LookupPump`)
+  asks from a thread of its own as each answer arrives, so the adapter's lookup bookkeeping is serialized and
+  the pump waits on the answers' futures.
 * :func:`patient_heartbeat` — LMCache's ``HeartbeatThread`` waits one interval for a ping and calls the server
   unhealthy after one late answer (then the worker drops its in-flight stores); prefixshare's subclass gives a
   ping its own deadline and degrades after consecutive misses.
@@ -18,7 +23,10 @@
 Verified against LMCache 0.5.6 (``lmcache.integration.vllm.vllm_multi_process_adapter``: ``HeartbeatThread``'s
 ``_req_client`` (its ``ping(instance_id)`` returns a future with ``wait`` / ``result``), ``_health_event``,
 ``_interval``, ``_instance_id``, ``_recover_callback``, ``stop_requested``; both adapters construct
-``HeartbeatThread`` by its module name when they start it).
+``HeartbeatThread`` by its module name when they start it; ``LMCacheMPSchedulerAdapter``'s
+``maybe_submit_lookup_request``, ``check_lookup_result``, ``cleanup_lookup_result``, ``end_session`` and the
+dicts they share, ``_unacked_lookups`` (request id -> an ack with ``futures``: url -> future) and
+``_lookup_status`` (request id -> url -> (future, submitted at))).
 
 The bug:
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM's ``triton_utils.dispatcher._rebind_kernels`` calls
@@ -59,6 +67,41 @@ def apply() -> bool:
     if getattr(dispatcher, "vars", None) is not _safe_vars:
         dispatcher.vars = _safe_vars  # type: ignore[attr-defined]
     return True
+
+
+#: the scheduler adapter's methods that read and write its lookup bookkeeping
+LOOKUP_METHODS = ("maybe_submit_lookup_request", "check_lookup_result", "cleanup_lookup_result", "end_session")
+
+
+def serialize_lookups(adapter: Any, lock: Any) -> bool:
+    """Every call of the adapter's lookup methods holds ``lock`` (a re-entrant lock), so a second thread may
+    advance lookups. False (and nothing changed) when this LMCache's adapter lacks one of them or its
+    bookkeeping: the scheduler then advances lookups alone, as LMCache does."""
+    if not all(callable(getattr(adapter, name, None)) for name in LOOKUP_METHODS) or not (
+            isinstance(getattr(adapter, "_unacked_lookups", None), dict)
+            and isinstance(getattr(adapter, "_lookup_status", None), dict)):
+        return False
+    for name in LOOKUP_METHODS:
+        original = getattr(adapter, name)
+        if getattr(original, "__prefixshare_locked__", False):
+            continue
+
+        def locked(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            with lock:
+                return _original(*args, **kwargs)
+
+        locked.__prefixshare_locked__ = True  # type: ignore[attr-defined]
+        setattr(adapter, name, locked)
+    return True
+
+
+def lookup_futures(adapter: Any, request_id: str) -> list[Any]:
+    """The unanswered futures of a request's lookup (its acknowledgements, else its status queries); call with
+    the lock :func:`serialize_lookups` installed held. Each has ``wait(timeout)``."""
+    ack = adapter._unacked_lookups.get(request_id)
+    if ack is not None:
+        return [f for f in ack.futures.values() if not f.query()]
+    return [f for f, _ in adapter._lookup_status.get(request_id, {}).values() if not f.query()]
 
 
 def worker_health_event(worker_adapter: Any) -> Any:

@@ -28,6 +28,7 @@ own connectors do: the scheduler process delegates to :class:`SchedulerSide`, ea
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -56,6 +57,11 @@ HEARTBEAT_S = 1.0
 PROBE_WAIT_S = 0.005
 PROBE_STEP_BUDGET_S = 0.010
 PROBE_POLL_S = 0.0002
+#: the lookup pump's longest wait on one answer before it looks at every pending lookup again
+PUMP_WAIT_S = 0.05
+#: the pump's pause when a lookup has no answer to wait on: the server said its prefetch still runs, and the
+#: next check asks again (LMCache's scheduler asks once per engine pass)
+PUMP_POLL_S = 0.002
 _BYPASS = LMCacheMPRequestState.BYPASS_LMCACHE
 
 
@@ -197,6 +203,8 @@ class PrefixShareConnector(LMCacheMPConnector):
 
     # --- both roles -----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        if self.scheduler_side is not None and self.scheduler_side.pump is not None:
+            self.scheduler_side.pump.stop()
         if self.worker_side is not None:
             self.worker_side.drain()  # queued stores reach the server before the worker unregisters
         self.prefixshare.publish(force=True)
@@ -230,6 +238,11 @@ class SchedulerSide:
         self.decided: set[str] = set()
         self.present: dict[str, int] = {}
         self.abandoned: set[str] = set()
+        #: advances lookups as their answers arrive (None: this LMCache's adapter cannot be shared; then each
+        #: lookup advances one round trip per scheduler pass, as in LMCache)
+        lock = threading.RLock()
+        self.pump = LookupPump(self.lmcache, lock, self.runtime.log) if _compat.serialize_lookups(
+            self.lmcache, lock) else None
         #: a pending lookup's deadline, computed on its first pending step (the engine steps dozens of times
         #: while one lookup runs; the estimates it is computed from do not change meanwhile)
         self.deadlines: dict[str, float | None] = {}
@@ -339,7 +352,11 @@ class SchedulerSide:
             return matched, is_async
         if matched is None:  # the lookup is still running
             if self.abandon_if_late(request, tracker, num_computed_tokens, started, info):
+                if self.pump is not None:
+                    self.pump.forget(request.request_id)
                 return 0, False
+            if self.pump is not None:
+                self.pump.watch(request.request_id)
             return matched, is_async
         skipped = info is not None and (info.fallback == "cost" or request.request_id in self.present)
         if info is not None and info.lookup_s is None and not failed_load and not skipped:
@@ -508,9 +525,75 @@ class SchedulerSide:
                 self.free_locks(request, tracker, end)
         self.decided.discard(rid)
         self.deadlines.pop(rid, None)
+        if self.pump is not None:
+            self.pump.forget(rid)
         if self.runtime.cost is not None:
             self.runtime.cost.forget(rid)
         return stored
+
+
+class LookupPump:
+    """Advances the scheduler's pending lookups as their answers arrive, in a thread of its own.
+
+    LMCache's scheduler adapter moves a lookup one round trip further (the LOOKUP's acknowledgement, then the
+    prefetch status query and its answer) only when the scheduler asks for the request's result, once per
+    engine pass; under load a pass computes other requests' tokens for tens to hundreds of milliseconds, so a
+    miss waited two or three passes before its prefill could start. The pump asks as soon as an answer is in
+    (it waits on the answers' futures, no busy loop), so the next pass finds the result. The adapter's lookup
+    methods hold ``lock`` (:func:`._compat.serialize_lookups`); the pump forgets a request the scheduler
+    abandoned or finished, and never decides anything: it only asks what the scheduler would ask."""
+
+    def __init__(self, adapter: Any, lock: Any, log: Any) -> None:
+        self.adapter, self.lock, self.log = adapter, lock, log
+        self.pending: set[str] = set()
+        self.cv = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.stopped = False
+
+    def watch(self, request_id: str) -> None:
+        with self.cv:
+            if request_id in self.pending or self.stopped:
+                return
+            self.pending.add(request_id)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="prefixshare-lookups", daemon=True)
+                self.thread.start()
+            self.cv.notify()
+
+    def forget(self, request_id: str) -> None:
+        with self.cv:
+            self.pending.discard(request_id)
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopped = True
+            self.pending.clear()
+            self.cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.pending and not self.stopped:
+                    self.cv.wait()
+                if self.stopped:
+                    return
+                ids = list(self.pending)
+            waiting: list[Any] = []
+            for rid in ids:
+                try:
+                    with self.lock:
+                        done = self.adapter.check_lookup_result(rid) is not None
+                        futures = [] if done else _compat.lookup_futures(self.adapter, rid)
+                except Exception as exc:  # noqa: BLE001 - the scheduler's own call meets the same error and decides
+                    self.log.warning("lookup.pump_failed", request_id=rid, error=str(exc))
+                    done, futures = True, []
+                if done:
+                    self.forget(rid)
+                waiting += futures
+            if waiting:
+                waiting[0].wait(PUMP_WAIT_S)  # the oldest answer; whatever else arrived is seen right after
+            else:
+                time.sleep(PUMP_POLL_S)
 
 
 class _ProbeWait:
