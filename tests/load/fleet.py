@@ -606,6 +606,45 @@ def dir_bytes(path: Path) -> tuple[int, int]:
     return files, size
 
 
+def cpu_seconds(fleet: Fleet) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) each process of the fleet has used so far: ``server-<node>`` (the
+    MP server and its children), ``<process name>-<node>`` for a replica's processes (API server, engine core,
+    worker; processes of one name add up)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for label, pid in fleet.processes().items():
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        node = label.split("-")[1]
+        role = "server" if label.startswith("server-") else comm
+        key = f"{role}-{node}"
+        out[key] = round(out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick, 2)
+    return out
+
+
+def thread_cpu_seconds(fleet: Fleet) -> dict[str, dict[str, float]]:
+    """CPU seconds so far of every thread of every process of the fleet: ``{label: {tid: seconds}}`` (a
+    profile names the threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, float]] = {}
+    for label, pid in fleet.processes().items():
+        threads: dict[str, float] = {}
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                    threads[task.name] = (int(fields[11]) + int(fields[12])) / tick
+        out[label] = threads
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+
+
 def sample(fleet: Fleet, t0: float) -> dict[str, Any]:
     """One sample of every resource a slow leak would grow."""
     procs = fleet.processes()
