@@ -11,7 +11,7 @@ export LMCACHE_DISABLE_BANNER := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-soak bench-quick lock clean services gpu-wheels gpu-check
+.PHONY: venv test test-fast demo bench bench-soak bench-quick lock clean services gpu-wheels gpu-check router
 
 venv: $(STAMP)
 
@@ -66,15 +66,26 @@ demo: $(STAMP)
 # The full benchmark (about 10 minutes on 2 CPU cores); writes docs/benchmarks.md and docs/benchmarks/.
 # Then the fleet under load against the same replicas without prefixshare (about 10 minutes;
 # docs/benchmarks/load.json, shown in docs/reliability.md by tests/faults/render.py --write), and the mission's
-# shared-document workload with the arms a user compares (about 25 minutes; docs/benchmarks/load-mission.md).
-bench: $(STAMP) services
+# shared-document workload with the arms a user compares (about 35 minutes; docs/benchmarks/load-mission.md), and
+# vLLM's own load client beside ours behind a real router (about 20 minutes; docs/benchmarks/load-standard.md).
+bench: $(STAMP) services router
 	$(VENV)/bin/prefixshare bench $(BENCH_ARGS)
 	$(PY) tests/load/fleet.py --full
-	$(PY) tests/load/mission.py --rates 1,2.5 --zero-rate 1 --duration 40 --reps 3
+	$(PY) tests/load/mission.py --rates 1,2.5 --zero-rate 0.5,1 --duration 40 --reps 3
 	$(PY) tests/load/mission.py --render
+	$(PY) tests/load/standard.py --router $(ROUTER)
 	$(PY) tests/lab/engines.py --full
 	$(PY) tests/lab/links.py --full
 	$(PY) tests/lab/sshfs_faults.py
+
+# vLLM's router (a Rust binary with a Python wrapper) in an environment of its own: its dependencies are not the
+# engines', and nothing in prefixshare imports it.
+ROUTER := .venv-router/bin/vllm-router
+router: $(ROUTER)
+
+$(ROUTER):
+	$(PYTHON) -m venv .venv-router
+	.venv-router/bin/pip install -q "vllm-router==0.1.17"
 
 # The soak: the fleet's workload at a steady rate for 30 minutes, every process's memory and file descriptors,
 # /dev/shm and the store sampled each minute (docs/benchmarks/soak.json and soak.png).
@@ -89,4 +100,4 @@ lock:
 	$(PY) -m pip freeze --exclude-editable | grep -v -E "^(torchaudio|torchcodec)==" > $(LOCK)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-router .pytest_cache .hypothesis

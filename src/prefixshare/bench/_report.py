@@ -205,7 +205,9 @@ def _md_header(results: dict[str, Any]) -> list[str]:
         "",
         "These are single requests, one at a time. A fleet under concurrent load, with the arms a user compares "
         "(raw vLLM with random and with document-affinity routing, prefixshare, the zero-reuse control), is "
-        "measured by its own run: [benchmarks/load-mission.md](benchmarks/load-mission.md).",
+        "measured by its own run: [benchmarks/load-mission.md](benchmarks/load-mission.md); vLLM's own load client "
+        "(`vllm bench serve`) beside ours, behind a real router: "
+        "[benchmarks/load-standard.md](benchmarks/load-standard.md).",
     ]
 
 
