@@ -26,7 +26,7 @@ Verified against LMCache 0.5.6 (``lmcache.integration.vllm.vllm_multi_process_ad
 ``HeartbeatThread`` by its module name when they start it; ``LMCacheMPSchedulerAdapter``'s
 ``maybe_submit_lookup_request``, ``check_lookup_result``, ``cleanup_lookup_result``, ``end_session`` and the
 dicts they share, ``_unacked_lookups`` (request id -> an ack with ``futures``: url -> future) and
-``_lookup_status`` (request id -> url -> (future, submitted at))).
+``_lookup_status`` (request id -> url -> (future, submitted at)), ``_nonblocking_lookup_status``).
 
 The bug:
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM's ``triton_utils.dispatcher._rebind_kernels`` calls
@@ -81,6 +81,8 @@ def serialize_lookups(adapter: Any, lock: Any) -> bool:
             isinstance(getattr(adapter, "_unacked_lookups", None), dict)
             and isinstance(getattr(adapter, "_lookup_status", None), dict)):
         return False
+    if getattr(adapter, "_nonblocking_lookup_status", None) is not True:
+        return False  # lmcache.mp.nonblocking_lookup_status false: a check waits for answers, holding the lock
     for name in LOOKUP_METHODS:
         original = getattr(adapter, name)
         if getattr(original, "__prefixshare_locked__", False):
