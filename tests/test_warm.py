@@ -726,7 +726,7 @@ def test_tenant_documents_are_stored_under_the_tenant_salt(setup: Any) -> None:
     report = warm(ps, {"manual-t": _docs()["guide"]}, eng, tenant="acme")
     assert report.warmed[0].verified
     assert all(p.name.endswith("@t-acme.data") for p in store.glob("*.data"))
-    record = Registry(store).get(eng.fp.digest, "manual-t")
+    record = Registry(store).get(eng.fp.digest, "manual-t", "t-acme")
     assert record is not None and record.salt == "t-acme" and record.tenant == "acme"
     # the engine's own prefix cache is split by tenant too (the timing side channel): prompts carry the salt,
     # which the store key does not count twice
@@ -760,11 +760,82 @@ def test_prompt_for_a_registered_document_rereads_its_file(setup: Any, tmp_path:
     doc = tmp_path / "manual-file.md"
     doc.write_text(_docs()["guide"])
     warm(ps, [str(doc)], eng)
-    prompt = prompt_for(ps, "manual-file.md", "Q?", engine=eng)
+    prompt = prompt_for(ps, "manual-file.md", "Q?", engine=eng, sources=[tmp_path])
     assert prompt.document_id == "manual-file.md"
+    assert prompt_for(ps, str(doc), "Q?", engine=eng).token_ids == prompt.token_ids  # the caller names the file
     doc.write_text("changed")
     with pytest.raises(DocumentError, match="changed since"):
-        prompt_for(ps, "manual-file.md", "Q?", engine=eng)
+        prompt_for(ps, "manual-file.md", "Q?", engine=eng, sources=[tmp_path])
+
+
+def test_tenants_who_warm_one_document_id_each_keep_their_own_record(setup: Any) -> None:
+    """Two tenants warm different texts under one document id: two records (one per store salt), each
+    tenant's prompt_for by id builds its own document's prompt, an untenanted caller finds neither; a record
+    of an earlier version (every salt in the flat layout) is still found under its own salt only, and replaced
+    when that tenant warms again."""
+    from prefixshare.warm._registry import write_json_atomic
+
+    ps, eng, store = setup
+    docs = _docs()
+    warm(ps, {"manual-a": docs["manual-a"]}, eng, tenant="acme")
+    warm(ps, {"manual-a": docs["guide"]}, eng, tenant="globex")
+    registry, fp = Registry(store), eng.fingerprint().digest
+    acme = registry.get(fp, "manual-a", expected_salt("acme"))
+    globex = registry.get(fp, "manual-a", expected_salt("globex"))
+    assert acme is not None and globex is not None and acme.prefix_digest != globex.prefix_digest
+    assert (acme.tenant, globex.tenant) == ("acme", "globex")
+    assert registry.get(fp, "manual-a") is None
+    listed = registry.records(fp)
+    assert sorted(r.tenant or "" for r in listed.records if r.id == "manual-a") == ["acme", "globex"]
+    assert not listed.corrupt
+    # an earlier version's record of acme, in the flat layout
+    registry.remove(fp, "manual-a", expected_salt("acme"))
+    flat = registry.path(fp, "manual-a")
+    write_json_atomic(flat, acme.model_dump(mode="json"), root=store)
+    assert registry.get(fp, "manual-a", expected_salt("acme")) == acme
+    assert registry.get(fp, "manual-a") is None and registry.get(fp, "manual-a", expected_salt("globex")) == globex
+    registry.put(acme)
+    assert not flat.exists() and registry.get(fp, "manual-a", expected_salt("acme")) == acme
+
+
+def test_prompt_for_reads_no_path_the_shared_registry_names_outside_the_callers_folders(
+        setup: Any, tmp_path: Path) -> None:
+    """The registry lives in the shared store: whoever can write it can name any path as a document's source.
+    prompt_for reads a registered source only under a folder the caller passes (symlinks resolved), only with
+    the record's content hash, and never a record another tenant wrote."""
+    ps, eng, store = setup
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    good = docs / "manual-file.md"
+    good.write_text(_docs()["guide"])
+    warm(ps, [str(good)], eng)
+    registry = Registry(store)
+    fp = eng.fingerprint().digest
+    record = registry.get(fp, "manual-file.md")
+    assert record is not None and record.content_hash
+    ok = prompt_for(ps, "manual-file.md", "Q?", engine=eng, sources=[docs])  # the control: under the root
+    with pytest.raises(DocumentError, match="sources="):
+        prompt_for(ps, "manual-file.md", "Q?", engine=eng)  # no folder passed: nothing the store names is read
+    secret = tmp_path / "secret.txt"
+    secret.write_text(_docs()["guide"])  # same content: only the path check can refuse it
+    registry.put(record.model_copy(update={"source": str(secret)}))
+    with pytest.raises(DocumentError, match="outside the folders"):
+        prompt_for(ps, "manual-file.md", "Q?", engine=eng, sources=[docs])
+    (docs / "link.md").symlink_to(secret)  # under the root by name, outside it once resolved
+    registry.put(record.model_copy(update={"source": str(docs / "link.md")}))
+    with pytest.raises(DocumentError, match="outside the folders"):
+        prompt_for(ps, "manual-file.md", "Q?", engine=eng, sources=[docs])
+    registry.put(record.model_copy(update={"content_hash": None}))
+    with pytest.raises(DocumentError, match="no content hash"):
+        prompt_for(ps, "manual-file.md", "Q?", engine=eng, sources=[docs])
+    registry.remove(fp, "manual-file.md")
+    registry.put(record.model_copy(update={"tenant": "globex", "salt": expected_salt("globex")}))
+    with pytest.raises(DocumentError, match="manual-file.md"):
+        prompt_for(ps, "manual-file.md", "Q?", engine=eng, sources=[docs], tenant="acme")  # not acme's record
+    with pytest.raises(DocumentError, match="manual-file.md"):
+        prompt_for(ps, "manual-file.md", "Q?", engine=eng, sources=[docs])  # nor an untenanted caller's
+    assert prompt_for(ps, "manual-file.md", "Q?", engine=eng, sources=[docs], tenant="globex").token_ids == \
+        ok.token_ids  # globex's own record: read
 
 
 def test_warm_report_json_is_plain_data(setup: Any) -> None:

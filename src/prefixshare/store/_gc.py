@@ -132,7 +132,7 @@ def plan_gc(policy: Policy, *, ttl_s: float | None = None, max_bytes: int | None
             if namespaces is not None and record.namespace not in namespaces:
                 continue
             if any((record.namespace, h, record.salt) not in remaining for h in record.chunk_hashes):
-                path = records.paths[(record.fingerprint, record.id)]
+                path = records.paths[(record.fingerprint, record.salt, record.id)]
                 plan.deletions.append(Deletion(str(path), "record", "chunks_gone", namespace=record.namespace,
                                                document=record.id))
         for bad in records.corrupt:

@@ -9,7 +9,7 @@
         llm = ps.attach({"model": "/models/m", "block_size": 128})
         template = Template.chat(system="Answer from the manual.")
         report = warm(ps, ["docs/"], llm, prefix=template)          # prefill once, verify, record
-        p = prompt_for(ps, "manual.md", "How do I rotate keys?", prefix=template)
+        p = prompt_for(ps, "manual.md", "How do I rotate keys?", prefix=template, sources=["docs/"])
         llm.generate([p.engine_input()], vllm.SamplingParams(max_tokens=64,
                      extra_args={"kv_transfer_params": p.kv_transfer_params}))
 

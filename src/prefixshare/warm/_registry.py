@@ -1,8 +1,14 @@
 """The document registry: which documents are warm in a store, under which fingerprint.
 
-One JSON file per document and fingerprint, beside the store's manifests::
+One JSON file per document, fingerprint and store salt (the tenant's and request's salt the document's KV was
+stored under), beside the store's manifests::
 
-    <store>/.prefixshare/documents/<fingerprint digest>/<safe id>.json
+    <store>/.prefixshare/documents/<fingerprint digest>/<safe id>.json              (no salt)
+    <store>/.prefixshare/documents/<fingerprint digest>/@<safe salt>/<safe id>.json (a tenant's, a salt's)
+
+so tenants who warm documents of the same id each keep their own record (a tenant's warm never overwrites
+another's). Records of earlier versions kept every salt in the first form; they are still read, and match a
+lookup only under the salt they record.
 
 ``<safe id>`` is the document id itself when it is a plain file name (letters, digits, ``.``, ``_``,
 ``-``; starting with a letter or digit; at most 100 characters); any other id (``guide/intro.md``,
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
 import re
@@ -122,8 +129,8 @@ class CorruptRecord:
 class RecordList:
     records: list[DocumentRecord] = field(default_factory=list)
     corrupt: list[CorruptRecord] = field(default_factory=list)
-    #: record id -> file it was read from
-    paths: dict[tuple[str, str], Path] = field(default_factory=dict)
+    #: (fingerprint, salt, document id) -> file it was read from
+    paths: dict[tuple[str, str, str], Path] = field(default_factory=dict)
 
 
 class Registry:
@@ -133,38 +140,53 @@ class Registry:
         self.root = Path(root)
         self.base = self.root / REGISTRY_DIR
 
-    def _dir(self, fingerprint: str) -> Path:
+    def _dir(self, fingerprint: str, salt: str = "") -> Path:
         if not _DIGEST.match(fingerprint):
             raise RegistryError(f"not a fingerprint digest: {fingerprint!r}")
-        return self.base / fingerprint
+        return self.base / fingerprint / f"@{safe_name(salt)}" if salt else self.base / fingerprint
 
-    def path(self, fingerprint: str, doc_id: str) -> Path:
-        path = self._dir(fingerprint) / f"{safe_name(doc_id)}.json"
+    def path(self, fingerprint: str, doc_id: str, salt: str = "") -> Path:
+        directory = self._dir(fingerprint, salt)
+        path = directory / f"{safe_name(doc_id)}.json"
         # defence in depth: whatever safe_name returns stays inside the registry
-        if path.resolve().parent != self._dir(fingerprint).resolve():
+        if path.resolve().parent != directory.resolve():
             raise RegistryError(f"document id {doc_id!r} maps outside the registry")
         return path
 
-    def get(self, fingerprint: str, doc_id: str) -> DocumentRecord | None:
-        path = self.path(fingerprint, doc_id)
-        try:
-            record = self._load(path)
-        except (FileNotFoundError, RegistryError):
-            return None
-        return record if record.id == doc_id and record.fingerprint == fingerprint else None
+    def get(self, fingerprint: str, doc_id: str, salt: str = "") -> DocumentRecord | None:
+        """The record of ``doc_id`` warmed under ``salt`` (an earlier version's record in the first form counts
+        when it records that salt)."""
+        paths = [self.path(fingerprint, doc_id, salt)] + ([self.path(fingerprint, doc_id)] if salt else [])
+        for path in paths:
+            try:
+                record = self._load(path)
+            except (FileNotFoundError, RegistryError):
+                continue
+            if record.id == doc_id and record.fingerprint == fingerprint and record.salt == salt:
+                return record
+        return None
 
     def put(self, record: DocumentRecord) -> Path:
-        path = self.path(record.fingerprint, record.id)
+        path = self.path(record.fingerprint, record.id, record.salt)
         write_json_atomic(path, record.model_dump(mode="json"), root=self.root)
+        if record.salt:
+            legacy = self.path(record.fingerprint, record.id)
+            with contextlib.suppress(FileNotFoundError, RegistryError):
+                if self._load(legacy).salt == record.salt:
+                    legacy.unlink()  # an earlier version's record of this very salt: replaced, not kept twice
         return path
 
-    def remove(self, fingerprint: str, doc_id: str) -> bool:
-        path = self.path(fingerprint, doc_id)
-        try:
-            path.unlink()
-            return True
-        except FileNotFoundError:
-            return False
+    def remove(self, fingerprint: str, doc_id: str, salt: str = "") -> bool:
+        removed = False
+        for path in [self.path(fingerprint, doc_id, salt)] + ([self.path(fingerprint, doc_id)] if salt else []):
+            try:
+                if path.parent.name == fingerprint and salt and self._load(path).salt != salt:
+                    continue  # another salt's record in the earlier layout
+                path.unlink()
+                removed = True
+            except (FileNotFoundError, RegistryError):
+                continue
+        return removed
 
     def _load(self, path: Path) -> DocumentRecord:
         if path.stat().st_size > _MAX_RECORD_BYTES:
@@ -179,7 +201,10 @@ class Registry:
             record = DocumentRecord.model_validate(raw)
         except ValidationError as exc:
             raise RegistryError(f"{path} is malformed: {exc.errors()[0]['msg']}") from None
-        if path.name != f"{safe_name(record.id)}.json" or path.parent.name != record.fingerprint:
+        flat = path.parent.name == record.fingerprint  # no salt, or an earlier version's record of any salt
+        salted = (bool(record.salt) and path.parent.name == f"@{safe_name(record.salt)}"
+                  and path.parent.parent.name == record.fingerprint)
+        if path.name != f"{safe_name(record.id)}.json" or not (flat or salted):
             raise RegistryError(f"{path} records document {record.id!r} of {record.fingerprint[:12]}, "
                                 "which belongs under another name")
         return record
@@ -196,7 +221,7 @@ class Registry:
         for fp in [fingerprint] if fingerprint else self.fingerprints():
             directory = self._dir(fp)
             try:
-                paths = sorted(directory.glob("*.json"))
+                paths = sorted(directory.glob("*.json")) + sorted(directory.glob("@*/*.json"))
             except FileNotFoundError:
                 continue
             for path in paths:
@@ -206,5 +231,5 @@ class Registry:
                     out.corrupt.append(CorruptRecord(str(path), str(exc)))
                     continue
                 out.records.append(record)
-                out.paths[(record.fingerprint, record.id)] = path
+                out.paths[(record.fingerprint, record.salt, record.id)] = path
         return out

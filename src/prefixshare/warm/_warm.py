@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -768,7 +769,7 @@ class _WarmRun:
             res = item.result
             if res is None or res.status not in (WARMED, SKIPPED):
                 continue
-            existing = registry.get(self.fp.digest, item.doc.id)
+            existing = registry.get(self.fp.digest, item.doc.id, self.salt)
             if (res.status == SKIPPED and existing is not None and existing.prefix_ids
                     and existing.prefix_digest == tokens_digest(item.ids)):
                 continue
@@ -794,8 +795,8 @@ def _registered(registry: Registry | None, fingerprint: str, item: _Planned, sal
     """Whether the registry records ``item``'s very prefix (and salt) as warmed."""
     if registry is None:
         return False
-    record = registry.get(fingerprint, item.doc.id)
-    return record is not None and record.prefix_digest == tokens_digest(item.ids) and record.salt == salt
+    record = registry.get(fingerprint, item.doc.id, salt)
+    return record is not None and record.prefix_digest == tokens_digest(item.ids)
 
 
 def _mib(n: int) -> str:
@@ -940,6 +941,34 @@ class Prompt:
         return len(self.token_ids)
 
 
+def _registered_document(record: DocumentRecord, doc: str, sources: Any) -> Document:
+    """A registered document's text, read from a file the caller named (see :func:`prompt_for`), and checked
+    against the record's content hash."""
+    named = Path(doc)
+    if named.is_file():
+        path = named
+    else:
+        if record.source is None:
+            raise DocumentError(f"document {doc!r} was warmed from text, not a file; pass (id, text)")
+        roots = [] if sources is None else [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
+        if not roots:
+            raise DocumentError(
+                f"document {doc!r} is registered with source {record.source!r}, but the registry lives in the "
+                "shared store, so prompt_for reads a file it names only under a folder you pass: "
+                "prompt_for(..., sources=['/path/to/documents']); or pass the file's path, or (id, text)")
+        path = Path(record.source).resolve()
+        if not any(path.is_relative_to(Path(root).resolve()) for root in roots):
+            raise DocumentError(f"document {doc!r}: its registered source {record.source!r} lies outside the "
+                                f"folders in sources ({', '.join(str(r) for r in roots)}); not read")
+        if not record.content_hash:
+            raise DocumentError(f"document {doc!r}: its record has no content hash, so its source is not read; "
+                                "warm it again")
+    found = _pair(record.id, path)
+    if record.content_hash and found.content_hash != record.content_hash:
+        raise DocumentError(f"{path} changed since document {doc!r} was warmed; warm it again")
+    return found
+
+
 _PREFIX_CACHE: OrderedDict[tuple[int, str, str], list[int]] = OrderedDict()
 _PREFIX_CACHE_SIZE = 32
 
@@ -957,7 +986,8 @@ def _cached_prefix(tokenizer: Any, template: Template, doc: Document) -> list[in
     return ids
 
 
-def _resolve_one(ps: PrefixShare, eng: WarmEngine, doc: Any) -> Document:
+def _resolve_one(ps: PrefixShare, eng: WarmEngine, doc: Any, *, tenant: str | None = None,
+                 cache_salt: str | None = None, sources: Any = None) -> Document:
     if isinstance(doc, Document):
         return doc
     if isinstance(doc, tuple) and len(doc) == 2:
@@ -968,14 +998,11 @@ def _resolve_one(ps: PrefixShare, eng: WarmEngine, doc: Any) -> Document:
         record = None
         root = ps.policy.store_root
         if root is not None:
-            record = Registry(root).get(eng.fingerprint().digest, doc)
+            record = Registry(root).get(eng.fingerprint().digest, doc, expected_salt(tenant, cache_salt))
+        if record is not None and record.tenant not in (None, tenant):
+            record = None  # another tenant's record: not this tenant's registry
         if record is not None:
-            if record.source is None:
-                raise DocumentError(f"document {doc!r} was warmed from text, not a file; pass (id, text)")
-            found = _pair(record.id, Path(record.source))
-            if record.content_hash and found.content_hash != record.content_hash:
-                raise DocumentError(f"{record.source} changed since document {doc!r} was warmed; warm it again")
-            return found
+            return _registered_document(record, doc, sources)
         docs = _from_string(doc)
     else:
         raise DocumentError(f"cannot build a prompt from {type(doc).__name__}: pass a document id, a path, "
@@ -994,17 +1021,20 @@ def prompt_for(
     prefix: Template | str | None = None,
     tenant: str | None = None,
     cache_salt: str | None = None,
+    sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
 ) -> Prompt:
     """The prompt for ``question`` about ``doc`` whose prefix is, token for token, what :func:`warm` stored.
 
-    ``doc``: a registered document id (its file is read again and checked against the registry), a path,
-    ``(id, text)`` or a :class:`Document`. Pass the same ``prefix`` (template), ``tenant`` and ``cache_salt``
-    as to :func:`warm`.
+    ``doc``: a registered document id, a path, ``(id, text)`` or a :class:`Document`. Pass the same ``prefix``
+    (template), ``tenant`` and ``cache_salt`` as to :func:`warm`. A registered id is read again from a file and
+    checked against its record's content hash; the registry lives in the shared store, so the file is one the
+    caller names: ``doc`` itself when it is a file's path, else the record's ``source`` only when it lies
+    (symlinks resolved) under one of the folders in ``sources``. A record another tenant wrote is not used.
     """
     eng = ps.warm_engine(engine)
     tokenizer = eng.tokenizer
     template = as_template(prefix).resolve(tokenizer)
-    document = _resolve_one(ps, eng, doc)
+    document = _resolve_one(ps, eng, doc, tenant=tenant, cache_salt=cache_salt, sources=sources)
     head = _cached_prefix(tokenizer, template, document)
     tail = question_ids(tokenizer, template, question)
     return Prompt(head + tail, len(head), document.id, tenant, cache_salt)
