@@ -94,7 +94,10 @@ def test_render_json_is_what_lmcache_parses(cli: typer.Typer, tmp_path: Path, mo
     # LMCache's server with prefixshare's guards (an abandoned store is discarded, not admitted)
     assert data["server_argv"][:4] == ["python", "-m", "prefixshare.server.plugins.main", "server"]
     assert "s3cret" not in result.output  # masked unless --show-secrets
-    parse_server_argv(data["server_argv"][4:])
+    assert data["server_env"]["PREFIXSHARE_L2_1_PASSWORD"] == "***"  # the command line refers to it
+    from prefixshare.policies import resolve_secrets
+
+    parse_server_argv(resolve_secrets(data["server_argv"], {"PREFIXSHARE_L2_1_PASSWORD": "s3cret"})[4:])
     assert data["legacy_config"]["remote_url"] == f"fs://localhost:0{tmp_path}"
     shown = invoke(cli, "policy", "render", str(path))
     assert shown.exit_code == 0 and "--l2-adapter" in shown.output and "chunk_size: 256" in shown.output

@@ -12,6 +12,7 @@ from helpers.lmcache_parsers import parse_adapter, parse_server_argv
 from prefixshare.errors import MissingExtraError, PolicyError
 from prefixshare.policies import MinTokens, Pinned
 from prefixshare.policies import Policy, legacy_config, legacy_yaml, list_presets, server_argv, server_env
+from prefixshare.policies import resolve_secrets
 from prefixshare.tiers import known_tiers, register_tier, require_client, tier_class
 
 
@@ -153,10 +154,17 @@ def test_secrets_come_from_the_environment_and_are_redacted(monkeypatch: pytest.
     )
     real = server_argv(policy)
     shown = server_argv(policy, redact=True)
-    assert any("hunter2" in a for a in real)  # the valkey adapter only takes it in its config
-    assert not any("hunter2" in a for a in shown)
-    assert not any("hunter2" in a for a in real if "resp" in a)  # resp: through the environment instead
-    assert server_env(policy)["LMCACHE_RESP_PASSWORD"] == "hunter2"
+    env = server_env(policy)
+    # the command line (every local user reads /proc/<pid>/cmdline) names the variable that holds the password
+    assert not any("hunter2" in a for a in real + shown)
+    assert env["PREFIXSHARE_L2_0_PASSWORD"] == "hunter2"
+    # the server's entry point puts it in place: the valkey adapter only takes it in its config
+    resolved = resolve_secrets(real, env)
+    assert any('"password":"hunter2"' in a for a in resolved) and resolved != real
+    with pytest.raises(ValueError, match="PREFIXSHARE_L2_0_PASSWORD"):
+        resolve_secrets(real, {})
+    assert resolve_secrets(server_argv(Policy.build()), {}) == server_argv(Policy.build())  # nothing to resolve
+    assert env["LMCACHE_RESP_PASSWORD"] == "hunter2"  # resp: LMCache reads it from the environment
     assert server_env(policy)["LMCACHE_TRACK_USAGE"] == "false"
     assert "hunter2" not in json.dumps(policy.to_dict())
 

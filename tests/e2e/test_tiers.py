@@ -24,6 +24,7 @@ from conftest import free_port, run_mp_client
 from e2e.common import document_ids, policy_for, run_replica, same_output
 from faults._common import process_state, wait_state
 from faults._matrix import Row, record
+from prefixshare.errors import ServerError
 from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
 
@@ -32,22 +33,28 @@ pytestmark = [pytest.mark.server]
 REDIS = shutil.which("redis-server")
 
 
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
+def start_redis(tmp_path: Path, *flags: str) -> tuple[int, subprocess.Popen[bytes]]:
+    """A Redis on a free loopback port (its port accepting connections, or 10 s gone), with ``flags``."""
     if REDIS is None:
         pytest.skip("redis-server is not installed (make test installs it)")
-    port = free_port()
-    proc = subprocess.Popen([REDIS, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
     import socket
 
+    port = free_port()
+    proc = subprocess.Popen([REDIS, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             break
         except OSError:
             time.sleep(0.05)
+    return port, proc
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    port, proc = start_redis(tmp_path)
     yield {"port": port, "proc": proc}
     if proc.poll() is None:
         proc.send_signal(signal.SIGCONT)
@@ -103,6 +110,53 @@ def test_two_nodes_share_through_one_redis(redis: dict[str, Any], kind: str) -> 
         assert fetched.returncode == 0 and "bytes_equal = True" in fetched.stdout, fetched.stdout + fetched.stderr[-2000:]
         assert hits(fetched.stdout) == (4, 4)
         assert hits(run_mp_client("lookup", node2.url, model="other/model").stdout) == (0, 4)
+
+
+def test_a_valkey_password_reaches_the_server_but_not_its_command_line(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every local user reads a process's command line; only its owner reads its environment. A Redis that
+    requires a password: the node's server stores and a second node's fetches byte-equal chunks through it
+    (LMCache alone swaps glide's user and password, and its server exits: ``plugins.valkey_auth``), and no
+    process of either server carries the password in its command line; with a wrong password (the control)
+    Redis refuses the server."""
+    import secrets
+
+    password = f"pw-{secrets.token_hex(8)}"
+    port, proc = start_redis(tmp_path, "--requirepass", password)
+    try:
+        valkey = {"type": "valkey", "startup_nodes": [f"127.0.0.1:{port}"], "request_timeout_s": 1.0,
+                  "password_env": "TEST_VALKEY_PW"}
+        monkeypatch.setenv("TEST_VALKEY_PW", password)
+        with LMCacheServer(tier_policy("valkey", port, l2=[valkey])) as node1:
+            stored = run_mp_client("store", node1.url)
+            assert stored.returncode == 0 and "STORE ok = True" in stored.stdout, stored.stderr[-2000:]
+            assert node1.pid is not None
+            for pid in [node1.pid, *_children(node1.pid)]:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                assert b"--l2-adapter" in cmdline or pid != node1.pid
+                assert password.encode() not in cmdline
+        with LMCacheServer(tier_policy("valkey", port, l2=[valkey])) as node2:
+            fetched = run_mp_client("fetch", node2.url)
+            assert "bytes_equal = True" in fetched.stdout and hits(fetched.stdout) == (4, 4), fetched.stdout
+        monkeypatch.setenv("TEST_VALKEY_PW", "wrong")
+        with pytest.raises(ServerError, match="WRONGPASS"):  # the control: Redis checks the password we send
+            with LMCacheServer(tier_policy("valkey", port, l2=[valkey])):
+                pass
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
 
 
 @pytest.mark.engine

@@ -56,14 +56,21 @@ if TYPE_CHECKING:  # pragma: no cover
         load_policy_file,
         policy_from_mapping,
     )
-    from prefixshare.policies._render import SERVER_MODULE, legacy_config, legacy_yaml, server_argv, server_env
+    from prefixshare.policies._render import (
+        SERVER_MODULE,
+        legacy_config,
+        legacy_yaml,
+        resolve_secrets,
+        server_argv,
+        server_env,
+    )
 
 #: names of the model and its loaders -> the module that defines them (imported on first use)
 _LAZY: dict[str, str] = {
     **dict.fromkeys(["list_presets", "preset_text"], "prefixshare.policies._load"),
     **dict.fromkeys(["FingerprintSettings", "L1Settings", "LoadSettings", "Policy", "ServerSettings",
                      "StoreSettings", "VerifySettings", "load_policy_file", "policy_from_mapping"], "prefixshare.policies._model"),
-    **dict.fromkeys(["SERVER_MODULE", "legacy_config", "legacy_yaml", "server_argv", "server_env"],
+    **dict.fromkeys(["SERVER_MODULE", "legacy_config", "legacy_yaml", "resolve_secrets", "server_argv", "server_env"],
                     "prefixshare.policies._render"),
 }
 
@@ -102,6 +109,7 @@ __all__ = [
     "policy_from_mapping",
     "preset_text",
     "rule_from_config",
+    "resolve_secrets",
     "server_argv",
     "server_env",
 ]

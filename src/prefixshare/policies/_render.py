@@ -50,19 +50,57 @@ def server_argv(policy: Policy, *, executable: list[str] | None = None, redact: 
     ]  # fmt: skip
     if srv.shm_segment is not None:
         argv += ["--shm-name", srv.shm_segment]
-    for tier in policy.l2:
+    for index, tier in enumerate(policy.l2):
         cfg = tier.redacted() if redact else tier.server_config()
+        for key in tier.secret_fields():
+            if key in cfg and cfg[key] is not None:
+                cfg[key] = {SECRET_REF: secret_env_name(index, key)}
         argv += ["--l2-adapter", json.dumps(cfg, sort_keys=True, separators=(",", ":"))]
     argv += list(srv.extra_args)
     return argv
 
 
+#: a secret in an ``--l2-adapter`` argument is ``{SECRET_REF: <variable>}``: the server's environment holds it
+#: (``/proc/<pid>/environ`` is readable by its owner only, ``cmdline`` by every local user) and the server's
+#: entry point puts it in place before LMCache reads the argument (:func:`resolve_secrets`)
+SECRET_REF = "prefixshare_secret_env"
+
+
+def secret_env_name(index: int, key: str) -> str:
+    """The server's environment variable holding secret ``key`` of the ``index``-th L2 tier."""
+    return f"PREFIXSHARE_L2_{index}_{key.upper()}"
+
+
 def server_env(policy: Policy) -> dict[str, str]:
-    """Environment the server process needs: telemetry off, plus tier credentials."""
+    """Environment the server process needs: telemetry off, plus tier credentials (the secrets its command
+    line refers to, see :data:`SECRET_REF`)."""
     env = dict(LMCACHE_QUIET)
-    for tier in policy.l2:
+    for index, tier in enumerate(policy.l2):
         env.update(tier.server_env())
+        secrets = tier.secret_fields()
+        if secrets:
+            cfg = tier.server_config()
+            env.update({secret_env_name(index, key): str(cfg[key]) for key in secrets if cfg.get(key) is not None})
     return env
+
+
+def resolve_secrets(argv: list[str], environ: dict[str, str]) -> list[str]:
+    """``argv`` with every secret reference in its ``--l2-adapter`` arguments replaced by the variable's value.
+    Raises ValueError naming the variable when the environment lacks it."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg != "--l2-adapter" or SECRET_REF not in out[i + 1]:
+            continue
+        cfg = json.loads(out[i + 1])
+        for key, value in list(cfg.items()):
+            if isinstance(value, dict) and set(value) == {SECRET_REF}:
+                name = value[SECRET_REF]
+                if name not in environ:
+                    raise ValueError(f"the L2 tier's {key} is read from the server's environment variable {name}, "
+                                     "which is not set")
+                cfg[key] = environ[name]
+        out[i + 1] = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
+    return out
 
 
 def legacy_config(policy: Policy) -> dict[str, Any]:

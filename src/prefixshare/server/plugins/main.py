@@ -84,15 +84,27 @@ def quiet_device_dispatcher(interval_s: float = CPU_DRAIN_INTERVAL_S) -> bool:
 
 
 def main() -> None:
-    from prefixshare._log import configure_from_environment
-    from prefixshare.server.plugins import eviction, guards, losses
+    import os
+    import sys
 
+    from prefixshare._log import configure_from_environment
+    from prefixshare.policies import resolve_secrets
+    from prefixshare.server.plugins import eviction, guards, losses, valkey_auth
+
+    try:
+        # a tier's password rides in this process's environment, not its command line (every local user reads
+        # /proc/<pid>/cmdline); LMCache's parser reads sys.argv, the kernel's copy keeps the reference
+        sys.argv = resolve_secrets(sys.argv, dict(os.environ))
+    except ValueError as exc:
+        sys.stderr.write(f"prefixshare server: {exc}\n")
+        raise SystemExit(2) from None
     configure_from_environment()
     name_native_threads()
     quiet_device_dispatcher()
     eviction.install()
     losses.install()
     guards.install()
+    valkey_auth.install()
     from lmcache.cli.main import main as lmcache_main
 
     lmcache_main()
