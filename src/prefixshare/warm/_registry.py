@@ -153,11 +153,16 @@ class Registry:
             raise RegistryError(f"document id {doc_id!r} maps outside the registry")
         return path
 
+    def _places(self, fingerprint: str, doc_id: str, salt: str) -> list[Path]:
+        """Where the record of ``doc_id`` under ``salt`` may be: its own path, then, for a salt, the flat path
+        an earlier version kept every salt's record at."""
+        own = self.path(fingerprint, doc_id, salt)
+        return [own, self.path(fingerprint, doc_id)] if salt else [own]
+
     def get(self, fingerprint: str, doc_id: str, salt: str = "") -> DocumentRecord | None:
         """The record of ``doc_id`` warmed under ``salt`` (an earlier version's record in the first form counts
         when it records that salt)."""
-        paths = [self.path(fingerprint, doc_id, salt)] + ([self.path(fingerprint, doc_id)] if salt else [])
-        for path in paths:
+        for path in self._places(fingerprint, doc_id, salt):
             try:
                 record = self._load(path)
             except (FileNotFoundError, RegistryError):
@@ -169,8 +174,7 @@ class Registry:
     def put(self, record: DocumentRecord) -> Path:
         path = self.path(record.fingerprint, record.id, record.salt)
         write_json_atomic(path, record.model_dump(mode="json"), root=self.root)
-        if record.salt:
-            legacy = self.path(record.fingerprint, record.id)
+        for legacy in self._places(record.fingerprint, record.id, record.salt)[1:]:
             with contextlib.suppress(FileNotFoundError, RegistryError):
                 if self._load(legacy).salt == record.salt:
                     legacy.unlink()  # an earlier version's record of this very salt: replaced, not kept twice
@@ -178,7 +182,7 @@ class Registry:
 
     def remove(self, fingerprint: str, doc_id: str, salt: str = "") -> bool:
         removed = False
-        for path in [self.path(fingerprint, doc_id, salt)] + ([self.path(fingerprint, doc_id)] if salt else []):
+        for path in self._places(fingerprint, doc_id, salt):
             try:
                 if path.parent.name == fingerprint and salt and self._load(path).salt != salt:
                     continue  # another salt's record in the earlier layout
