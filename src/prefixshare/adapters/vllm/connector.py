@@ -352,8 +352,6 @@ class SchedulerSide:
             return matched, is_async
         if matched is None:  # the lookup is still running
             if self.abandon_if_late(request, tracker, num_computed_tokens, started, info):
-                if self.pump is not None:
-                    self.pump.forget(request.request_id)
                 return 0, False
             if self.pump is not None:
                 self.pump.watch(request.request_id)
@@ -382,6 +380,8 @@ class SchedulerSide:
                 and (deadline is None or waited <= deadline)):
             return False
         self.lmcache.cleanup_lookup_result(request.request_id)
+        if self.pump is not None:
+            self.pump.forget(request.request_id)
         self.abandoned.add(request.request_id)
         tracker.lookup_started_at = None
         tracker.state = _BYPASS
