@@ -24,6 +24,7 @@ from conftest import free_port, run_mp_client
 from e2e.common import document_ids, policy_for, run_replica, same_output
 from faults._common import process_state, wait_state
 from faults._matrix import Row, record
+from load.fleet import _process_table, _tree
 from prefixshare.errors import ServerError
 from prefixshare.policies import Policy
 from prefixshare.server import LMCacheServer
@@ -131,7 +132,7 @@ def test_a_valkey_password_reaches_the_server_but_not_its_command_line(tmp_path:
             stored = run_mp_client("store", node1.url)
             assert stored.returncode == 0 and "STORE ok = True" in stored.stdout, stored.stderr[-2000:]
             assert node1.pid is not None
-            for pid in [node1.pid, *_children(node1.pid)]:
+            for pid in _tree(_process_table(), node1.pid):  # the server and every process under it
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
                 assert b"--l2-adapter" in cmdline or pid != node1.pid
                 assert password.encode() not in cmdline
@@ -145,18 +146,6 @@ def test_a_valkey_password_reaches_the_server_but_not_its_command_line(tmp_path:
     finally:
         proc.kill()
         proc.wait(timeout=10)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
 
 
 @pytest.mark.engine

